@@ -1,0 +1,60 @@
+// Host-side steps shared by every backend: argument validation with messages that name the argument, output
+// allocation, and filling FwdParams/BwdParams from tensors. Each backend (cpu/, cuda/) adds only its own
+// dtype/head-dim rules and its kernels.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <tuple>
+
+#include "params.h"
+
+namespace flashcore {
+
+// What a backend can run; validation reports anything outside it as an error naming the argument.
+struct BackendLimits {
+  const char* name;          // "CPU", "CUDA"
+  bool allow_fp32_fp64;      // float32/float64 inputs
+  int64_t max_head_dim;      // inclusive
+  int64_t head_dim_multiple; // head_dim must be a multiple of this
+};
+
+// Options shared by the forward and backward schemas.
+struct MaskOptions {
+  double softmax_scale;
+  bool is_causal;
+  bool causal_bottom_right;
+  int64_t window_left;
+  int64_t window_right;
+  double softcap;
+};
+
+// Validates query/key/value (logical (B, H, S, D), last dim contiguous) against the backend's limits and the
+// options; throws c10::Error (Python: RuntimeError/ValueError/NotImplementedError) naming the argument.
+void check_fwd_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      const MaskOptions& opts, const BackendLimits& limits);
+
+// Also checks grad_out/out (shape and dtype of query) and lse ((B, Hq, Sq) float32).
+void check_bwd_inputs(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                      const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                      const MaskOptions& opts, const BackendLimits& limits);
+
+// Allocates out (same layout as query when query is dense, else contiguous) and lse (B, Hq, Sq) float32.
+std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& query);
+
+// Fills the sizes, strides, pointers and mask fields. `out`/`lse` may be undefined (params left null).
+FwdParams make_fwd_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                          const at::Tensor& out, const at::Tensor& lse, const MaskOptions& opts);
+
+BwdParams make_bwd_params(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                          const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                          const at::Tensor& grad_query, const at::Tensor& grad_key, const at::Tensor& grad_value,
+                          const MaskOptions& opts, bool deterministic);
+
+// True when there is nothing for a kernel to do; the caller has already filled the outputs:
+// an empty batch/head/query length leaves empty outputs; an empty key length gives out = 0 and lse = -inf
+// (softmax over an empty set, as SDPA's math path), and zero gradients.
+bool fwd_is_trivial(const FwdParams& p, at::Tensor& out, at::Tensor& lse);
+bool bwd_is_trivial(const BwdParams& p, at::Tensor& grad_query, at::Tensor& grad_key, at::Tensor& grad_value);
+
+}  // namespace flashcore

@@ -1,0 +1,52 @@
+// CPU dispatch-key implementations of the flashcore ops: shared validation (attention_host.h), then the CPU
+// kernels (kernels_cpu.h).
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "../attention_host.h"
+#include "kernels_cpu.h"
+
+namespace flashcore {
+namespace {
+
+constexpr BackendLimits kCpuLimits{"CPU", /*allow_fp32_fp64=*/true, /*max_head_dim=*/256, /*head_dim_multiple=*/1};
+
+std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                           double softmax_scale, bool is_causal, bool causal_bottom_right,
+                                           int64_t window_left, int64_t window_right, double softcap) {
+  const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
+  check_fwd_inputs(query, key, value, opts, kCpuLimits);
+  auto [out, lse] = alloc_fwd_outputs(query);
+  const FwdParams p = make_fwd_params(query, key, value, out, lse, opts);
+  if (!fwd_is_trivial(p, out, lse)) cpu::fwd_kernel(p, query.scalar_type());
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_out, const at::Tensor& query,
+                                                       const at::Tensor& key, const at::Tensor& value,
+                                                       const at::Tensor& out, const at::Tensor& lse,
+                                                       double softmax_scale, bool is_causal,
+                                                       bool causal_bottom_right, int64_t window_left,
+                                                       int64_t window_right, double softcap, bool deterministic) {
+  const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
+  check_bwd_inputs(grad_out, query, key, value, out, lse, opts, kCpuLimits);
+  at::Tensor grad_query = at::empty_like(query);
+  at::Tensor grad_key = at::empty_like(key);
+  at::Tensor grad_value = at::empty_like(value);
+  const BwdParams p = make_bwd_params(grad_out, query, key, value, out, lse, grad_query, grad_key, grad_value,
+                                      opts, deterministic);
+  if (!bwd_is_trivial(p, grad_query, grad_key, grad_value)) cpu::bwd_kernel(p, query.scalar_type());
+  return {grad_query, grad_key, grad_value};
+}
+
+std::string fwd_kernel_name_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) { return "cpu"; }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashcore, CPU, m) {
+  m.impl("fwd", &fwd_cpu);
+  m.impl("bwd", &bwd_cpu);
+  m.impl("fwd_kernel_name", &fwd_kernel_name_cpu);
+}
+
+}  // namespace flashcore

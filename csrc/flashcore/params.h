@@ -1,0 +1,59 @@
+// Plain-old-data descriptions of one attention call, shared by the host code, the CPU kernels and the CUDA
+// kernels (this header is included by nvcc too, so it holds no torch types).
+//
+// Layout contract: every tensor is addressed as logical (batch, head, seq, dim) through element strides; the
+// last dim is contiguous (stride 1). BHSD and BSHD inputs are the same thing to a kernel: only strides differ.
+// Grouped-query attention: query head h reads key/value head h / group, where group = heads_q / heads_kv, so
+// K and V are never copied per query head.
+#pragma once
+
+#include <cstdint>
+
+namespace flashcore {
+
+// Element strides of one (batch, head, seq, dim) tensor whose dim stride is 1.
+struct Strides {
+  int64_t batch = 0;
+  int64_t head = 0;
+  int64_t seq = 0;
+};
+
+struct FwdParams {
+  const void* q = nullptr;
+  const void* k = nullptr;
+  const void* v = nullptr;
+  void* out = nullptr;
+  float* lse = nullptr;  // (batch, heads_q, seqlen_q), contiguous, natural-log units
+
+  Strides q_stride, k_stride, v_stride, out_stride;
+
+  int64_t batch = 0;
+  int64_t heads_q = 0;
+  int64_t heads_kv = 0;
+  int64_t group = 1;  // heads_q / heads_kv
+  int64_t seqlen_q = 0;
+  int64_t seqlen_k = 0;
+  int64_t head_dim = 0;
+
+  float scale = 1.f;       // softmax scale applied to q.k
+  float scale_log2 = 1.f;  // scale * log2(e): kernels exponentiate with exp2
+
+  // Causal masking: key j is visible from query i iff j <= i + causal_offset.
+  // SDPA's is_causal (top-left aligned) has offset 0; flash-attn's bottom-right alignment has seqlen_k - seqlen_q.
+  // A query row that sees no key (possible with bottom-right alignment when seqlen_q > seqlen_k) gets out = 0 and
+  // lse = -inf.
+  bool causal = false;
+  int64_t causal_offset = 0;
+};
+
+struct BwdParams : FwdParams {
+  const void* dout = nullptr;
+  void* dq = nullptr;
+  void* dk = nullptr;
+  void* dv = nullptr;
+  Strides dout_stride, dq_stride, dk_stride, dv_stride;
+  // Bitwise-reproducible gradients run to run (no floating-point atomics whose order varies).
+  bool deterministic = false;
+};
+
+}  // namespace flashcore

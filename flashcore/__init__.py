@@ -1,0 +1,33 @@
+"""flashcore: fused, exact FlashAttention kernels for PyTorch.
+
+    import flashcore
+    out = flashcore.attention(q, k, v, is_causal=True)   # same semantics as F.scaled_dot_product_attention
+
+The ops are also reachable as torch.ops.flashcore.fwd / torch.ops.flashcore.bwd.
+"""
+
+import torch  # noqa: F401  (loads libtorch before the extension)
+
+try:
+    from . import _C  # noqa: F401  (registers the TORCH_LIBRARY ops and their CPU/CUDA kernels)
+except ImportError as e:  # pragma: no cover - only when the extension was not built
+    raise ImportError(
+        "flashcore's compiled extension (flashcore._C) could not be loaded; build it with "
+        "`pip install -e . --no-build-isolation`. Original error: " + str(e)
+    ) from e
+
+from .ops import attention, flash_attn_func, fwd_kernel_name  # noqa: E402
+
+__version__ = "0.1.0"
+
+
+def cuda_available() -> bool:
+    """True when this build of flashcore has CUDA kernels and a CUDA device is present."""
+    return torch.cuda.is_available() and _has_cuda_kernels()
+
+
+def _has_cuda_kernels() -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key("flashcore::fwd", "CUDA")
+
+
+__all__ = ["attention", "flash_attn_func", "fwd_kernel_name", "cuda_available"]

@@ -1,0 +1,176 @@
+"""Python side of the flashcore ops: fake (meta) kernels, autograd, and the friendly entry points.
+
+The schemas and the CPU/CUDA kernels live in C++ (csrc/flashcore/ops.cpp); `torch.ops.flashcore.fwd` and
+`torch.ops.flashcore.bwd` work in eager mode, under torch.compile (through the fake kernels below) and inside CUDA
+graphs.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+
+__all__ = ["attention", "flash_attn_func", "fwd_kernel_name"]
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Fake (meta) kernels: shapes, dtypes and strides of the outputs, the same rules as the C++ allocation
+# (attention_host.cpp: out = empty_like(query), lse = (B, Hq, Sq) float32 contiguous).
+# ----------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.register_fake("flashcore::fwd")
+def _fwd_fake(query, key, value, softmax_scale, is_causal=False, causal_bottom_right=False, window_left=-1,
+              window_right=-1, softcap=0.0):
+    torch._check(query.dim() == 4, lambda: f"flashcore: query must be 4-D; got {query.dim()}-D")
+    torch._check(key.dim() == 4 and value.dim() == 4, lambda: "flashcore: key and value must be 4-D")
+    out = torch.empty_like(query)
+    lse = query.new_empty((query.size(0), query.size(1), query.size(2)), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("flashcore::bwd")
+def _bwd_fake(grad_out, query, key, value, out, lse, softmax_scale, is_causal=False, causal_bottom_right=False,
+              window_left=-1, window_right=-1, softcap=0.0, deterministic=False):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Autograd: out's gradient through flashcore::bwd. lse is an auxiliary output and is not differentiable.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _fwd_setup_context(ctx, inputs, output):
+    query, key, value, softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap = inputs
+    out, lse = output
+    ctx.save_for_backward(query, key, value, out, lse)
+    ctx.softmax_scale = softmax_scale
+    ctx.is_causal = is_causal
+    ctx.causal_bottom_right = causal_bottom_right
+    ctx.window = (window_left, window_right)
+    ctx.softcap = softcap
+    ctx.mark_non_differentiable(lse)
+
+
+def _fwd_backward(ctx, grad_out, grad_lse):
+    query, key, value, out, lse = ctx.saved_tensors
+    if grad_out is None:
+        grad_out = torch.zeros_like(out)
+    grad_q, grad_k, grad_v = torch.ops.flashcore.bwd(
+        grad_out,
+        query,
+        key,
+        value,
+        out,
+        lse,
+        ctx.softmax_scale,
+        ctx.is_causal,
+        ctx.causal_bottom_right,
+        ctx.window[0],
+        ctx.window[1],
+        ctx.softcap,
+        _deterministic(),
+    )
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None
+
+
+def _deterministic() -> bool:
+    return torch.are_deterministic_algorithms_enabled()
+
+
+torch.library.register_autograd("flashcore::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Entry points
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _check_tensor(t, name):
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"flashcore.attention: {name} must be a torch.Tensor; got {type(t).__name__}")
+
+
+def attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    enable_gqa: bool = False,
+    *,
+    return_lse: bool = False,
+):
+    """Exact fused attention with the semantics of ``torch.nn.functional.scaled_dot_product_attention``.
+
+    query: (B, Hq, Sq, D); key, value: (B, Hkv, Sk, D), any strides with a contiguous last dim (BSHD tensors
+    passed as ``x.transpose(1, 2)`` views are read in place). 3-D inputs (B, S, D) are treated as one head.
+    is_causal masks as SDPA does (top-left aligned when Sq != Sk). scale defaults to 1/sqrt(D). With
+    enable_gqa=True, Hq may be a multiple of Hkv (grouped-query attention; K/V are never copied per head).
+    attn_mask and dropout_p exist for drop-in compatibility and must be None and 0.
+
+    Returns out (shape and dtype of query), or (out, lse) with return_lse=True, lse being the float32
+    (B, Hq, Sq) natural-log log-sum-exp of each row of scaled scores (not differentiable).
+    """
+    _check_tensor(query, "query")
+    _check_tensor(key, "key")
+    _check_tensor(value, "value")
+    if attn_mask is not None:
+        raise NotImplementedError("flashcore.attention: attn_mask is not supported; use is_causal for causal masks")
+    if dropout_p != 0.0:
+        raise NotImplementedError("flashcore.attention: dropout_p must be 0 (dropout is not supported)")
+    if query.dim() != key.dim() or query.dim() != value.dim():
+        raise RuntimeError(
+            f"flashcore.attention: query, key and value must have the same rank; got query {query.dim()}-D, "
+            f"key {key.dim()}-D, value {value.dim()}-D"
+        )
+    if query.dim() not in (3, 4):
+        raise RuntimeError(
+            f"flashcore.attention: query must be 4-D (batch, heads, seq_len, head_dim) or 3-D; got "
+            f"{query.dim()}-D with shape {tuple(query.shape)}"
+        )
+    squeeze = query.dim() == 3
+    if squeeze:
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    if not enable_gqa and query.size(1) != key.size(1):
+        raise RuntimeError(
+            f"flashcore.attention: query has {query.size(1)} heads but key has {key.size(1)}; pass enable_gqa=True "
+            "for grouped-query attention"
+        )
+    if scale is None:
+        head_dim = query.size(-1)
+        softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    else:
+        softmax_scale = float(scale)
+    out, lse = torch.ops.flashcore.fwd(query, key, value, softmax_scale, bool(is_causal))
+    if squeeze:
+        out, lse = out.squeeze(1), lse.squeeze(1)
+    return (out, lse) if return_lse else out
+
+
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+    """flash-attn style call: q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) (BSHD), causal aligned bottom-right
+    (query i sees keys j <= i + Sk - Sq), GQA whenever Hq is a multiple of Hkv. Returns out in BSHD
+    (and lse (B, Hq, Sq) with return_lse=True)."""
+    _check_tensor(q, "q")
+    _check_tensor(k, "k")
+    _check_tensor(v, "v")
+    for t, name in ((q, "q"), (k, "k"), (v, "v")):
+        if t.dim() != 4:
+            raise RuntimeError(f"flashcore.flash_attn_func: {name} must be 4-D (batch, seq_len, heads, head_dim)")
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
+    out, lse = torch.ops.flashcore.fwd(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), float(softmax_scale), bool(causal), bool(causal)
+    )
+    out = out.transpose(1, 2)
+    return (out, lse) if return_lse else out
+
+
+def fwd_kernel_name(query, key, value, is_causal=False) -> str:
+    """Which forward kernel family flashcore runs for these inputs ("cpu", "sm80", "sm90")."""
+    return torch.ops.flashcore.fwd_kernel_name(query, key, value, bool(is_causal))
