@@ -65,8 +65,8 @@ def get_extensions():
     debug = os.getenv("FLASHCORE_DEBUG", "0") == "1"
     use_cuda = _want_cuda()
 
-    # Py_LIMITED_API pins the stable ABI of Python 3.11, the oldest Python we support.
-    cxx_flags = ["-O0" if debug else "-O3", "-std=c++17", "-DPy_LIMITED_API=0x030b0000"]
+    # py_limited_api=True makes torch define Py_LIMITED_API (the stable ABI), so the .abi3.so loads on 3.11+.
+    cxx_flags = ["-O0" if debug else "-O3", "-std=c++17",]
     if debug:
         cxx_flags.append("-g")
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
@@ -91,7 +91,7 @@ def get_extensions():
         if t not in ALL_DTYPES:
             raise RuntimeError(f"FLASHCORE_DTYPES: unsupported dtype {t!r}; choose from {ALL_DTYPES}")
 
-    cuda_sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
+    cuda_sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cpp")) + glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
     cuda_sources += sorted(
         p
         for p in glob.glob(os.path.join(CSRC, "cuda", "instantiations", "*.cu"))
@@ -100,7 +100,7 @@ def get_extensions():
     nvcc_flags = [
         "-O3",
         "-std=c++17",
-        "-DPy_LIMITED_API=0x030b0000",
+       
         "--use_fast_math",
         "--expt-relaxed-constexpr",
         "-U__CUDA_NO_HALF_OPERATORS__",

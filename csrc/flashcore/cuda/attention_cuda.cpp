@@ -1,0 +1,139 @@
+// CUDA dispatch-key implementations of the flashcore ops: shared validation (attention_host.h), the CUDA rules
+// (fp16/bf16, head dims multiple of 8 up to 256, compute capability 8.0+), kernel selection, launch on the
+// current stream. No allocation beyond the outputs (and a copy of an input only when its alignment forbids
+// 16-byte loads), so the ops can be captured in CUDA graphs.
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "../attention_host.h"
+#include "bwd_composite_cuda.h"
+#include "fwd_registry.h"
+
+namespace flashcore {
+namespace {
+
+constexpr BackendLimits kCudaLimits{"CUDA", /*allow_fp32_fp64=*/false, /*max_head_dim=*/256,
+                                    /*head_dim_multiple=*/8};
+// Smallest query block of any forward kernel: bounds the grid (one block per query block and head).
+constexpr int64_t kMinBlockM = 64;
+
+cuda::DType to_dtype(at::ScalarType t) { return t == at::kHalf ? cuda::DType::kFp16 : cuda::DType::kBf16; }
+
+// The kernels read rows with 16-byte loads: the base pointer and every row/head/batch stride must be 16-byte
+// aligned. Any tensor the validation accepts (last dim contiguous, head_dim a multiple of 8) becomes aligned
+// once made contiguous; most callers' tensors already are, and are used in place.
+at::Tensor aligned_for_16b_loads(const at::Tensor& t) {
+  const int64_t elems = 16 / t.element_size();
+  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % elems == 0 &&
+                       t.stride(1) % elems == 0 && t.stride(2) % elems == 0;
+  return aligned ? t : t.contiguous();
+}
+
+// FLASHCORE_FORCE_KERNEL=sm80 forces the mma.sync family (read per call, so tests can set it at run time).
+std::string forced_family() {
+  const char* env = std::getenv("FLASHCORE_FORCE_KERNEL");
+  return env ? std::string(env) : std::string();
+}
+
+const char* select_family(const at::Tensor& query) {
+  const std::string forced = forced_family();
+  if (!forced.empty()) {
+    TORCH_CHECK(forced == "sm80", "flashcore: FLASHCORE_FORCE_KERNEL=", forced,
+                " is not a forward kernel family of this build (available: sm80)");
+    return "sm80";
+  }
+  (void)query;
+  return "sm80";
+}
+
+void check_device(const at::Tensor& query) {
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.device().index());
+  TORCH_CHECK(prop->major >= 8, "flashcore: the CUDA kernels need compute capability 8.0 or newer; ",
+              prop->name, " is ", prop->major, ".", prop->minor);
+}
+
+void check_sizes(const at::Tensor& query, const at::Tensor& key) {
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK(query.size(2) <= kIntMax, "flashcore: query sequence length ", query.size(2), " exceeds 2^31 - 1");
+  TORCH_CHECK(key.size(2) <= kIntMax, "flashcore: key sequence length ", key.size(2), " exceeds 2^31 - 1");
+  const int64_t m_blocks = (query.size(2) + kMinBlockM - 1) / kMinBlockM;
+  TORCH_CHECK(m_blocks * query.size(0) * query.size(1) <= kIntMax, "flashcore: batch x heads x query blocks (",
+              query.size(0), " x ", query.size(1), " x ", m_blocks, ") exceeds the CUDA grid limit");
+}
+
+const cuda::FwdKernelEntry& find_kernel(const char* family, const at::Tensor& query) {
+  const auto dtype = to_dtype(query.scalar_type());
+  const int head_dim = (int)query.size(3);
+  const cuda::FwdKernelEntry* entry = cuda::find_fwd_kernel(family, head_dim, dtype);
+  TORCH_CHECK(entry != nullptr, "flashcore: this build has no ", family, " forward kernel for head_dim ", head_dim,
+              " and dtype ", c10::toString(query.scalar_type()), " (compiled head-dim tiles: ",
+              cuda::compiled_head_dim_tiles(family, dtype), "); rebuild with FLASHCORE_HEADDIMS/FLASHCORE_DTYPES "
+              "including it");
+  return *entry;
+}
+
+std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at::Tensor& key_in,
+                                            const at::Tensor& value_in, double softmax_scale, bool is_causal,
+                                            bool causal_bottom_right, int64_t window_left, int64_t window_right,
+                                            double softcap) {
+  const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
+  check_fwd_inputs(query_in, key_in, value_in, opts, kCudaLimits);
+  const c10::cuda::CUDAGuard guard(query_in.device());
+  check_device(query_in);
+  check_sizes(query_in, key_in);
+
+  auto [out, lse] = alloc_fwd_outputs(query_in);
+  FwdParams p = make_fwd_params(query_in, key_in, value_in, out, lse, opts);
+  if (fwd_is_trivial(p, out, lse)) return {out, lse};
+
+  const at::Tensor query = aligned_for_16b_loads(query_in);
+  const at::Tensor key = aligned_for_16b_loads(key_in);
+  const at::Tensor value = aligned_for_16b_loads(value_in);
+  p = make_fwd_params(query, key, value, out, lse, opts);
+  const cuda::FwdKernelEntry& kernel = find_kernel(select_family(query), query);
+  kernel.launch(p, at::cuda::getCurrentCUDAStream());
+  return {out, lse};
+}
+
+std::string fwd_kernel_name_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 bool is_causal) {
+  const MaskOptions opts{1.0, is_causal, false, -1, -1, 0.0};
+  check_fwd_inputs(query, key, value, opts, kCudaLimits);
+  return select_family(query);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_out, const at::Tensor& query,
+                                                        const at::Tensor& key, const at::Tensor& value,
+                                                        const at::Tensor& out, const at::Tensor& lse,
+                                                        double softmax_scale, bool is_causal,
+                                                        bool causal_bottom_right, int64_t window_left,
+                                                        int64_t window_right, double softcap, bool deterministic) {
+  const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
+  check_bwd_inputs(grad_out, query, key, value, out, lse, opts, kCudaLimits);
+  const c10::cuda::CUDAGuard guard(query.device());
+  at::Tensor grad_query = at::empty_like(query);
+  at::Tensor grad_key = at::empty_like(key);
+  at::Tensor grad_value = at::empty_like(value);
+  const BwdParams p = make_bwd_params(grad_out, query, key, value, out, lse, grad_query, grad_key, grad_value,
+                                      opts, deterministic);
+  if (!bwd_is_trivial(p, grad_query, grad_key, grad_value))
+    cuda::bwd_composite(grad_out, query, key, value, out, lse, p, grad_query, grad_key, grad_value);
+  return {grad_query, grad_key, grad_value};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashcore, CUDA, m) {
+  m.impl("fwd", &fwd_cuda);
+  m.impl("bwd", &bwd_cuda);
+  m.impl("fwd_kernel_name", &fwd_kernel_name_cuda);
+}
+
+}  // namespace flashcore

@@ -1,0 +1,23 @@
+// Tile shapes of the mma.sync forward kernel, per head-dim tile (the head dim rounded up to 32/64/96/128/192/256).
+//
+// Every configuration keeps shared memory (Q + double-buffered K and V) at or under 96 KiB, so one binary runs
+// on sm_80/sm_90 (up to 227 KiB a block) and on sm_86/sm_89 (99 KiB a block).
+// Each warp owns kBlockM / kNWarps query rows (16 per m16 tile). Two m-tiles per warp halve the shared-memory
+// traffic of K and V per MMA (each B fragment feeds two MMAs), which an mma.sync kernel needs to keep the tensor
+// cores busy; the price is accumulator registers, so large head dims use one m-tile and keep Q in shared memory.
+#pragma once
+
+namespace flashcore::sm80 {
+
+template <int kHeadDim>
+struct FwdConfig;
+
+//                                                  kBlockM      kBlockN      kNWarps     kQInRegs
+template <> struct FwdConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = true; };
+template <> struct FwdConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = true; };
+template <> struct FwdConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = false; };
+template <> struct FwdConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = false; };
+template <> struct FwdConfig<192> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 8; static constexpr bool kQInRegs = false; };
+template <> struct FwdConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 32,  kNWarps = 4; static constexpr bool kQInRegs = false; };
+
+}  // namespace flashcore::sm80

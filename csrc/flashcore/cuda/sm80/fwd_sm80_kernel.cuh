@@ -1,0 +1,199 @@
+// The mma.sync forward kernel (sm_80 .. sm_90): one thread block computes kBlockM query rows of one
+// (batch, head), walking the key/value blocks that the mask leaves visible, last block first.
+//
+// Pipeline (cp.async, two buffers each for K and V): while the warps compute S = Q K^T on K[n], V[n] is in
+// flight; while they compute O += P V[n], K[n-1] is in flight. Each loop step commits exactly one group after
+// each wait, so `cp_async_wait<1>` always means "all but the newest group have landed".
+// Hazard: a buffer is refilled only after the __syncthreads that follows its last reader's step.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../../params.h"
+#include "fwd_sm80_config.cuh"
+#include "fwd_sm80_mainloop.cuh"
+#include "fwd_sm80_mask.cuh"
+#include "fwd_sm80_softmax.cuh"
+#include "smem_tile.cuh"
+#include "tile_io.cuh"
+
+namespace flashcore::sm80 {
+
+template <int kHeadDim_, typename Element_>
+struct FwdKernelTraits {
+  using Element = Element_;
+  using Config = FwdConfig<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kNWarps = Config::kNWarps;
+  static constexpr bool kQInRegs = Config::kQInRegs;
+  static constexpr int kNThreads = kNWarps * 32;
+  static constexpr int kWarpRows = kBlockM / kNWarps;
+  static constexpr int kMTiles = kWarpRows / 16;
+  static constexpr int kNTiles = kBlockN / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kKSteps = kHeadDim / 16;
+  static_assert(kWarpRows % 16 == 0 && kNTiles % 2 == 0 && kDTiles % 2 == 0, "tile shape");
+
+  using QTile = SmemTile<kBlockM, kHeadDim>;
+  using KVTile = SmemTile<kBlockN, kHeadDim>;
+  static constexpr int kSmemBytes = (QTile::kElems + 4 * KVTile::kElems) * (int)sizeof(Element);
+  // Two blocks a multiprocessor where registers allow (128 threads); one for 8 warps.
+  static constexpr int kMinBlocksPerSm = kNThreads <= 128 ? 2 : 1;
+};
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
+    fwd_sm80_kernel(const __grid_constant__ FwdParams p, const int num_m_blocks) {
+  using Element = typename Traits::Element;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kNThreads = Traits::kNThreads;
+  constexpr int kMTiles = Traits::kMTiles, kNTiles = Traits::kNTiles, kDTiles = Traits::kDTiles;
+  constexpr int kKSteps = Traits::kKSteps;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Element* sQ = reinterpret_cast<Element*>(smem_raw);
+  // Buffers K0, K1, V0, V1 follow Q; buffer b of K is sK + b * KVTile::kElems (pointer arithmetic, not a
+  // pointer array, which a run-time index would put in local memory).
+  Element* const sK = sQ + QTile::kElems;
+  Element* const sV = sK + 2 * KVTile::kElems;
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int warp_row0 = warp * Traits::kWarpRows;  // first row of this warp inside the block
+
+  // Blocks of one (batch, head) are adjacent, so they share K/V in L2; within a head the last query blocks (the
+  // longest under a causal mask) are launched first.
+  const int64_t bh = blockIdx.x / num_m_blocks;
+  const int m_block = num_m_blocks - 1 - (int)(blockIdx.x % num_m_blocks);
+  const int64_t b = bh / p.heads_q;
+  const int64_t h = bh % p.heads_q;
+  const int64_t h_kv = h / p.group;
+  const int m0 = m_block * kBlockM;
+  const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+
+  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
+  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head;
+  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head;
+  Element* out = static_cast<Element*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
+
+  // Keys [0, n_end) can be visible from some row of this block.
+  int64_t n_end = seqlen_k;
+  if (p.causal) {
+    const int64_t last_visible = (int64_t)m0 + kBlockM - 1 + p.causal_offset;  // of the block's last row
+    n_end = last_visible + 1 < n_end ? last_visible + 1 : n_end;
+    if (n_end < 0) n_end = 0;
+  }
+  const int n_blocks = (int)((n_end + kBlockN - 1) / kBlockN);
+
+  float o[kMTiles][kDTiles][4];
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int di = 0; di < kDTiles; ++di)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o[mi][di][e] = 0.f;
+  OnlineSoftmax<kMTiles, kNTiles, kDTiles> softmax;
+
+  // This thread's first row (g of m-tile 0) and first column (2t of n-tile 0) in fragment coordinates.
+  const int frag_row0 = m0 + warp_row0 + (lane >> 2);
+  const int frag_col_in_tile = 2 * (lane & 3);
+
+  if (n_blocks > 0) {
+    load_tile_async<QTile, kNThreads>(sQ, q, p.q_stride.seq, m0, seqlen_q, head_dim);
+    load_tile_async<KVTile, kNThreads>(sK, k, p.k_stride.seq, (n_blocks - 1) * kBlockN, seqlen_k, head_dim);
+    ptx::cp_async_commit();
+    load_tile_async<KVTile, kNThreads>(sV, v, p.v_stride.seq, (n_blocks - 1) * kBlockN, seqlen_k, head_dim);
+    ptx::cp_async_commit();
+
+    uint32_t q_regs[kMTiles][Traits::kQInRegs ? kKSteps : 1][4];
+    // The smallest query row of the block sees keys < m0 + causal_offset + 1: blocks that start at or past
+    // that, and the block holding the sequence end, need the mask.
+    const int64_t first_row_limit = (int64_t)m0 + p.causal_offset + 1;
+    const bool negative_scale = !(p.scale_log2 > 0.f);  // also 0, where -inf * 0 would be NaN
+    const float softmax_scale = negative_scale ? 1.f : p.scale_log2;
+
+    for (int it = 0; it < n_blocks; ++it) {
+      const int n_block = n_blocks - 1 - it;
+      const int buf = it & 1;
+
+      ptx::cp_async_wait<1>();  // Q (first step) and K[n_block] have landed
+      __syncthreads();
+      if (it + 1 < n_blocks)
+        load_tile_async<KVTile, kNThreads>(sK + (buf ^ 1) * KVTile::kElems, k, p.k_stride.seq, (n_block - 1) * kBlockN, seqlen_k,
+                                           head_dim);
+      ptx::cp_async_commit();
+
+      if constexpr (Traits::kQInRegs) {
+        if (it == 0) load_q_fragments<QTile>(q_regs, sQ, warp_row0, lane);
+      }
+
+      float s[kMTiles][kNTiles][4];
+      gemm_qk<QTile, KVTile, kMTiles, kNTiles, kKSteps, Traits::kQInRegs>(s, q_regs, sQ, sK + buf * KVTile::kElems, warp_row0, lane);
+
+      // A negative softmax scale reverses the order of scores: scale them first (before masking, so -inf stays
+      // -inf) and let the softmax use 1. The usual positive scale is folded into the exp2 FFMA instead.
+      if (negative_scale) {
+#pragma unroll
+        for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+          for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
+      }
+
+      const int64_t tile_end = (int64_t)(n_block + 1) * kBlockN;
+      const bool need_mask = tile_end > seqlen_k || (p.causal && tile_end > first_row_limit);
+      if (need_mask)
+        apply_mask(s, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
+
+      softmax.update(s, o, softmax_scale);
+
+      ptx::cp_async_wait<1>();  // V[n_block] has landed
+      __syncthreads();
+      if (it + 1 < n_blocks)
+        load_tile_async<KVTile, kNThreads>(sV + (buf ^ 1) * KVTile::kElems, v, p.v_stride.seq, (n_block - 1) * kBlockN, seqlen_k,
+                                           head_dim);
+      ptx::cp_async_commit();
+
+      gemm_pv<KVTile, kMTiles, kNTiles, kDTiles>(o, s, sV + buf * KVTile::kElems, lane);
+    }
+    ptx::cp_async_wait<0>();
+  }
+
+  float lse[2 * kMTiles];
+  softmax.finalize(o, lse);
+
+  // Epilogue: O through shared memory (the Q tile's space) so global stores are 16 bytes wide.
+  __syncthreads();  // every warp is done reading sQ
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + mi * 16 + (lane >> 2) + half * 8;
+#pragma unroll
+      for (int di = 0; di < kDTiles; ++di) {
+        const uint32_t packed = pack2<Element>(o[mi][di][2 * half], o[mi][di][2 * half + 1]);
+        *reinterpret_cast<uint32_t*>(sQ + QTile::elem_offset(row, di * 8 + frag_col_in_tile)) = packed;
+      }
+    }
+  }
+  if ((lane & 3) == 0) {
+    float* lse_out = p.lse + bh * p.seqlen_q;
+#pragma unroll
+    for (int r = 0; r < 2 * kMTiles; ++r) {
+      const int row = frag_row0 + (r >> 1) * 16 + (r & 1) * 8;
+      if (row < seqlen_q) lse_out[row] = lse[r];
+    }
+  }
+  __syncthreads();
+  store_tile<QTile, kNThreads>(sQ, out, p.out_stride.seq, m0, seqlen_q, head_dim);
+}
+
+}  // namespace flashcore::sm80

@@ -1,0 +1,127 @@
+// Warp-level products of the mma.sync forward kernel, on swizzled shared-memory tiles:
+//   S (kWarpRows x kBlockN) = Q_warp . K^T   operands by ldmatrix (K rows are the "col" B operand as stored)
+//   O (kWarpRows x kHeadDim) += P . V        P from the S accumulators (registers), V by ldmatrix.trans
+// Fragment layouts: see ../ptx/mma_sm80.cuh and ../ptx/ldmatrix.cuh.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "../ptx/ldmatrix.cuh"
+#include "../ptx/mma_sm80.cuh"
+
+namespace flashcore::sm80 {
+
+template <typename Element>
+__device__ __forceinline__ uint32_t pack2(float lo, float hi);
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+template <>
+__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+// Lane address of an A fragment (16 rows x 16 cols at `row_base`, k-step `ks`) in an ldmatrix.x4:
+// matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) in the order a0, a1, a2, a3.
+template <typename Tile>
+__device__ __forceinline__ int a_frag_offset(int row_base, int ks, int lane) {
+  return Tile::chunk_offset(row_base + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * ks + (lane >> 4));
+}
+
+template <typename QTile, int kMTiles, int kKSteps, typename Element>
+__device__ __forceinline__ void load_q_fragments(uint32_t (&q)[kMTiles][kKSteps][4], const Element* sQ,
+                                                 int warp_row0, int lane) {
+  const uint32_t base = ptx::smem_addr(sQ);
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      ptx::ldmatrix_x4(q[mi][ks], base + a_frag_offset<QTile>(warp_row0 + mi * 16, ks, lane) * 2);
+}
+
+// S = Q K^T for this warp's rows. `q_regs` is used when kQInRegs, else Q fragments are read from sQ per k-step.
+// q_regs is [kMTiles][kKSteps][4] when kQInRegs, else a [kMTiles][1][4] placeholder.
+template <typename QTile, typename KTile, int kMTiles, int kNTiles, int kKSteps, bool kQInRegs, int kQRegSteps,
+          typename Element>
+__device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4],
+                                        const uint32_t (&q_regs)[kMTiles][kQRegSteps][4],
+                                        const Element* sQ, const Element* sK, int warp_row0, int lane) {
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mi][ni][e] = 0.f;
+
+  const uint32_t q_base = ptx::smem_addr(sQ);
+  const uint32_t k_base = ptx::smem_addr(sK);
+#pragma unroll
+  for (int ks = 0; ks < kKSteps; ++ks) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+      if constexpr (kQInRegs) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) a[mi][e] = q_regs[mi][kQRegSteps > 1 ? ks : 0][e];
+      } else {
+        ptx::ldmatrix_x4(a[mi], q_base + a_frag_offset<QTile>(warp_row0 + mi * 16, ks, lane) * 2);
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < kNTiles / 2; ++np) {
+      // Matrices (keys 0-7 | 8-15 of this pair) x (k cols 0-7 | 8-15): b0/b1 of n-tile 2np, then of 2np + 1.
+      uint32_t b[4];
+      const int key = np * 16 + (lane & 7) + (lane >> 4) * 8;
+      ptx::ldmatrix_x4(b, k_base + KTile::chunk_offset(key, 2 * ks + ((lane >> 3) & 1)) * 2);
+      const uint32_t b_lo[2] = {b[0], b[1]};
+      const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        ptx::mma_m16n8k16<Element>(s[mi][2 * np], a[mi], b_lo);
+        ptx::mma_m16n8k16<Element>(s[mi][2 * np + 1], a[mi], b_hi);
+      }
+    }
+  }
+}
+
+// O += P V for this warp's rows; p holds probabilities in the C layout of S (two n8 tiles form one k16 A tile).
+template <typename VTile, int kMTiles, int kNTiles, int kDTiles, typename Element>
+__device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kDTiles][4], const float (&p)[kMTiles][kNTiles][4],
+                                        const Element* sV, int lane) {
+  const uint32_t v_base = ptx::smem_addr(sV);
+#pragma unroll
+  for (int kk = 0; kk < kNTiles / 2; ++kk) {
+    uint32_t a[kMTiles][4];
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+      a[mi][0] = pack2<Element>(p[mi][2 * kk][0], p[mi][2 * kk][1]);
+      a[mi][1] = pack2<Element>(p[mi][2 * kk][2], p[mi][2 * kk][3]);
+      a[mi][2] = pack2<Element>(p[mi][2 * kk + 1][0], p[mi][2 * kk + 1][1]);
+      a[mi][3] = pack2<Element>(p[mi][2 * kk + 1][2], p[mi][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < kDTiles / 2; ++dp) {
+      // Transposed matrices (keys 0-7 | 8-15) x (dims 0-7 | 8-15 of this pair): b0/b1 of d-tile 2dp, then 2dp + 1.
+      uint32_t b[4];
+      const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+      ptx::ldmatrix_x4_trans(b, v_base + VTile::chunk_offset(key, 2 * dp + (lane >> 4)) * 2);
+      const uint32_t b_lo[2] = {b[0], b[1]};
+      const uint32_t b_hi[2] = {b[2], b[3]};
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi) {
+        ptx::mma_m16n8k16<Element>(o[mi][2 * dp], a[mi], b_lo);
+        ptx::mma_m16n8k16<Element>(o[mi][2 * dp + 1], a[mi], b_hi);
+      }
+    }
+  }
+}
+
+}  // namespace flashcore::sm80

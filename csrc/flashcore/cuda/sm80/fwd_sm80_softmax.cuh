@@ -1,0 +1,106 @@
+// Online softmax over the score fragments of one warp (FlashAttention's running max and sum), in base 2.
+//
+// A thread holds, for each m16 tile, two rows (g and g + 8 of the mma C layout) of kNTiles n8 tiles, two scores
+// each, masked to -inf. `scale` (softmax scale * log2(e)) must be positive: the max of the raw scores is then the
+// max of the scaled ones, and each probability is one FFMA + one exp2 (the kernel pre-multiplies the scores and
+// passes 1 for a negative softmax scale). row_max is kept in scaled (log2) units. Invariant: after each tile, o = sum_j exp2(s_j - row_max) v_j and row_sum = sum_j exp2(s_j -
+// row_max) over the keys seen so far, where row_sum is this thread's partial sum (the four threads of a row are
+// reduced once, at the end).
+#pragma once
+
+#include <cmath>
+
+namespace flashcore::sm80 {
+
+__device__ __forceinline__ float quad_max(float x) {
+  x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
+  return fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 2));
+}
+
+__device__ __forceinline__ float quad_sum(float x) {
+  x += __shfl_xor_sync(0xffffffffu, x, 1);
+  return x + __shfl_xor_sync(0xffffffffu, x, 2);
+}
+
+template <int kMTiles, int kNTiles, int kDTiles>
+struct OnlineSoftmax {
+  static constexpr int kRows = 2 * kMTiles;  // rows held by this thread
+  float row_max[kRows];
+  float row_sum[kRows];
+
+  __device__ __forceinline__ OnlineSoftmax() {
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      row_max[r] = -INFINITY;
+      row_sum[r] = 0.f;
+    }
+  }
+
+  // Folds one tile of scores in: updates the running max, rescales o and row_sum by exp2(old_max - new_max),
+  // and overwrites s with p = exp2(s * scale - new_max).
+  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4],
+                                         const float scale) {
+    float correction[kRows];
+    bool any_moved = false;
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mi + half;
+        float mx = -INFINITY;
+#pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
+        mx = fmaxf(row_max[r], quad_max(mx) * scale);
+        // A row that has seen only masked keys keeps max = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
+        const float base = (mx == -INFINITY) ? 0.f : mx;
+        correction[r] = exp2f(row_max[r] - base);  // 0 when the old max was -inf, 1 when the max did not move
+        any_moved |= mx != row_max[r];
+        row_max[r] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni) {
+          s[mi][ni][2 * half] = exp2f(fmaf(s[mi][ni][2 * half], scale, -base));
+          s[mi][ni][2 * half + 1] = exp2f(fmaf(s[mi][ni][2 * half + 1], scale, -base));
+          sum += s[mi][ni][2 * half] + s[mi][ni][2 * half + 1];
+        }
+        row_sum[r] = row_sum[r] * correction[r] + sum;
+      }
+    }
+    // Deferred rescale: once the running maxima settle (most tiles of a long row), no row of the warp moves and
+    // the kDTiles * 4 multiplies on o, which the next P.V MMAs would wait for, are skipped (warp-uniform branch).
+    if (__any_sync(0xffffffffu, any_moved)) {
+#pragma unroll
+      for (int mi = 0; mi < kMTiles; ++mi)
+#pragma unroll
+        for (int half = 0; half < 2; ++half)
+#pragma unroll
+          for (int di = 0; di < kDTiles; ++di) {
+            o[mi][di][2 * half] *= correction[2 * mi + half];
+            o[mi][di][2 * half + 1] *= correction[2 * mi + half];
+          }
+    }
+  }
+
+  // Divides o by the row sums and returns each row's log-sum-exp in natural-log units (-inf, with o = 0, for a
+  // row that saw no key).
+  __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float (&lse)[kRows]) {
+#pragma unroll
+    for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = 2 * mi + half;
+        const float sum = quad_sum(row_sum[r]);
+        const bool empty = !(sum > 0.f);
+        const float inv = empty ? 0.f : 1.f / sum;
+        lse[r] = empty ? -INFINITY : (row_max[r] + __log2f(sum)) * 0.69314718055994531f;  // ln(2)
+#pragma unroll
+        for (int di = 0; di < kDTiles; ++di) {
+          o[mi][di][2 * half] *= inv;
+          o[mi][di][2 * half + 1] *= inv;
+        }
+      }
+    }
+  }
+};
+
+}  // namespace flashcore::sm80
