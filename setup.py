@@ -52,12 +52,19 @@ def _gencode_flags(archs):
         if arch not in ALL_ARCHS:
             raise RuntimeError(f"FLASHCORE_CUDA_ARCHS: unsupported target {arch!r}; choose from {ALL_ARCHS}")
         flags.append(f"-gencode=arch=compute_{arch},code=sm_{arch}")
+    if "80" in archs:
+        # PTX of the portable (mma.sync) kernels, so GPUs newer than the listed targets JIT-compile them at load.
+        flags.append("-gencode=arch=compute_80,code=compute_80")
     return flags
 
 
-def _instantiation_selected(path, headdims, dtypes):
-    # File names follow csrc/flashcore/cuda/instantiations/<kernel>_hdim<D>_<dtype>.cu (see generate.py there).
-    m = re.search(r"_hdim(\d+)_(fp16|bf16)\.cu$", os.path.basename(path))
+def _instantiation_selected(path, archs, headdims, dtypes):
+    # File names follow csrc/flashcore/cuda/instantiations/fwd_<family>_hdim<D>_<dtype>.cu (see generate.py
+    # there). The sm90 (wgmma) family exists only in sm_90a code, so it is built only with that target.
+    name = os.path.basename(path)
+    if name.startswith("fwd_sm90_") and "90a" not in archs:
+        return False
+    m = re.search(r"_hdim(\d+)_(fp16|bf16)\.cu$", name)
     return m is None or (m.group(1) in headdims and m.group(2) in dtypes)
 
 
@@ -95,7 +102,7 @@ def get_extensions():
     cuda_sources += sorted(
         p
         for p in glob.glob(os.path.join(CSRC, "cuda", "instantiations", "*.cu"))
-        if _instantiation_selected(p, headdims, dtypes)
+        if _instantiation_selected(p, archs, headdims, dtypes)
     )
     nvcc_flags = [
         "-O3",

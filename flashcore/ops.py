@@ -58,6 +58,9 @@ def _fwd_backward(ctx, grad_out, grad_lse):
     query, key, value, out, lse = ctx.saved_tensors
     if grad_out is None:
         grad_out = torch.zeros_like(out)
+    elif grad_out.stride(-1) != 1:
+        # e.g. the expanded (all-zero-stride) gradient of out.sum(); the kernels need a contiguous last dim.
+        grad_out = grad_out.contiguous()
     grad_q, grad_k, grad_v = torch.ops.flashcore.bwd(
         grad_out,
         query,

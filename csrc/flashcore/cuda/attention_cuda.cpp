@@ -21,7 +21,7 @@ namespace {
 
 constexpr BackendLimits kCudaLimits{"CUDA", /*allow_fp32_fp64=*/false, /*max_head_dim=*/256,
                                     /*head_dim_multiple=*/8};
-// Smallest query block of any forward kernel: bounds the grid (one block per query block and head).
+// Smallest query block of any forward kernel (sm80 hdim 256): bounds the grid (one block per query block and head).
 constexpr int64_t kMinBlockM = 64;
 
 cuda::DType to_dtype(at::ScalarType t) { return t == at::kHalf ? cuda::DType::kFp16 : cuda::DType::kBf16; }
@@ -36,21 +36,33 @@ at::Tensor aligned_for_16b_loads(const at::Tensor& t) {
   return aligned ? t : t.contiguous();
 }
 
-// FLASHCORE_FORCE_KERNEL=sm80 forces the mma.sync family (read per call, so tests can set it at run time).
+// FLASHCORE_FORCE_KERNEL=sm80|sm90 forces a family (read per call, so tests can set it at run time).
 std::string forced_family() {
   const char* env = std::getenv("FLASHCORE_FORCE_KERNEL");
   return env ? std::string(env) : std::string();
 }
 
+// The wgmma family runs on compute capability 9.0 (sm_90a code) for the head dims it was compiled for; the
+// mma.sync family runs everywhere else.
 const char* select_family(const at::Tensor& query) {
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.device().index());
+  const bool hopper = prop->major == 9 && prop->minor == 0;
+  const auto dtype = to_dtype(query.scalar_type());
+  const int head_dim = (int)query.size(3);
+  const bool sm90_built = cuda::find_fwd_kernel("sm90", head_dim, dtype) != nullptr;
   const std::string forced = forced_family();
-  if (!forced.empty()) {
-    TORCH_CHECK(forced == "sm80", "flashcore: FLASHCORE_FORCE_KERNEL=", forced,
-                " is not a forward kernel family of this build (available: sm80)");
-    return "sm80";
+  if (forced == "sm80") return "sm80";
+  if (forced == "sm90") {
+    TORCH_CHECK(hopper, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 needs a compute capability 9.0 GPU; ",
+                prop->name, " is ", prop->major, ".", prop->minor);
+    TORCH_CHECK(sm90_built, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 but this build has no sm90 kernel for head_dim ",
+                head_dim, " and dtype ", c10::toString(query.scalar_type()), " (build with FLASHCORE_CUDA_ARCHS "
+                "including 90a)");
+    return "sm90";
   }
-  (void)query;
-  return "sm80";
+  TORCH_CHECK(forced.empty(), "flashcore: FLASHCORE_FORCE_KERNEL=", forced,
+              " is not a forward kernel family (sm80, sm90)");
+  return hopper && sm90_built ? "sm90" : "sm80";
 }
 
 void check_device(const at::Tensor& query) {

@@ -14,6 +14,7 @@
 #include <cstdint>
 
 #include "../../params.h"
+#include "../fwd_block.cuh"
 #include "fwd_sm80_config.cuh"
 #include "fwd_sm80_mainloop.cuh"
 #include "fwd_sm80_mask.cuh"
@@ -67,30 +68,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int warp_row0 = warp * Traits::kWarpRows;  // first row of this warp inside the block
-
-  // Blocks of one (batch, head) are adjacent, so they share K/V in L2; within a head the last query blocks (the
-  // longest under a causal mask) are launched first.
-  const int64_t bh = blockIdx.x / num_m_blocks;
-  const int m_block = num_m_blocks - 1 - (int)(blockIdx.x % num_m_blocks);
-  const int64_t b = bh / p.heads_q;
-  const int64_t h = bh % p.heads_q;
-  const int64_t h_kv = h / p.group;
-  const int m0 = m_block * kBlockM;
   const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
-
-  const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head;
-  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head;
-  Element* out = static_cast<Element*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
-
-  // Keys [0, n_end) can be visible from some row of this block.
-  int64_t n_end = seqlen_k;
-  if (p.causal) {
-    const int64_t last_visible = (int64_t)m0 + kBlockM - 1 + p.causal_offset;  // of the block's last row
-    n_end = last_visible + 1 < n_end ? last_visible + 1 : n_end;
-    if (n_end < 0) n_end = 0;
-  }
-  const int n_blocks = (int)((n_end + kBlockN - 1) / kBlockN);
+  const cuda::FwdBlock<Element> blk = cuda::fwd_block<Element, kBlockM, kBlockN>(p, num_m_blocks);
+  const int m0 = blk.m0, n_blocks = blk.n_blocks;
 
   float o[kMTiles][kDTiles][4];
 #pragma unroll
@@ -106,16 +86,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int frag_col_in_tile = 2 * (lane & 3);
 
   if (n_blocks > 0) {
-    load_tile_async<QTile, kNThreads>(sQ, q, p.q_stride.seq, m0, seqlen_q, head_dim);
-    load_tile_async<KVTile, kNThreads>(sK, k, p.k_stride.seq, (n_blocks - 1) * kBlockN, seqlen_k, head_dim);
+    load_tile_async<QTile, kNThreads>(sQ, blk.q, p.q_stride.seq, m0, seqlen_q, head_dim);
+    load_tile_async<KVTile, kNThreads>(sK, blk.k, p.k_stride.seq, (n_blocks - 1) * kBlockN, seqlen_k, head_dim);
     ptx::cp_async_commit();
-    load_tile_async<KVTile, kNThreads>(sV, v, p.v_stride.seq, (n_blocks - 1) * kBlockN, seqlen_k, head_dim);
+    load_tile_async<KVTile, kNThreads>(sV, blk.v, p.v_stride.seq, (n_blocks - 1) * kBlockN, seqlen_k, head_dim);
     ptx::cp_async_commit();
 
     uint32_t q_regs[kMTiles][Traits::kQInRegs ? kKSteps : 1][4];
-    // The smallest query row of the block sees keys < m0 + causal_offset + 1: blocks that start at or past
-    // that, and the block holding the sequence end, need the mask.
-    const int64_t first_row_limit = (int64_t)m0 + p.causal_offset + 1;
     const bool negative_scale = !(p.scale_log2 > 0.f);  // also 0, where -inf * 0 would be NaN
     const float softmax_scale = negative_scale ? 1.f : p.scale_log2;
 
@@ -126,8 +103,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       ptx::cp_async_wait<1>();  // Q (first step) and K[n_block] have landed
       __syncthreads();
       if (it + 1 < n_blocks)
-        load_tile_async<KVTile, kNThreads>(sK + (buf ^ 1) * KVTile::kElems, k, p.k_stride.seq, (n_block - 1) * kBlockN, seqlen_k,
-                                           head_dim);
+        load_tile_async<KVTile, kNThreads>(sK + (buf ^ 1) * KVTile::kElems, blk.k, p.k_stride.seq,
+                                           (n_block - 1) * kBlockN, seqlen_k, head_dim);
       ptx::cp_async_commit();
 
       if constexpr (Traits::kQInRegs) {
@@ -135,10 +112,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       }
 
       float s[kMTiles][kNTiles][4];
-      gemm_qk<QTile, KVTile, kMTiles, kNTiles, kKSteps, Traits::kQInRegs>(s, q_regs, sQ, sK + buf * KVTile::kElems, warp_row0, lane);
+      gemm_qk<QTile, KVTile, kMTiles, kNTiles, kKSteps, Traits::kQInRegs>(s, q_regs, sQ, sK + buf * KVTile::kElems,
+                                                                         warp_row0, lane);
 
-      // A negative softmax scale reverses the order of scores: scale them first (before masking, so -inf stays
-      // -inf) and let the softmax use 1. The usual positive scale is folded into the exp2 FFMA instead.
+      // A non-positive softmax scale reverses (or flattens) the order of scores: scale them first (before
+      // masking, so -inf stays -inf) and let the softmax use 1. The usual positive scale is folded into the
+      // exp2 FFMA instead.
       if (negative_scale) {
 #pragma unroll
         for (int mi = 0; mi < kMTiles; ++mi)
@@ -147,10 +126,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
       }
-
-      const int64_t tile_end = (int64_t)(n_block + 1) * kBlockN;
-      const bool need_mask = tile_end > seqlen_k || (p.causal && tile_end > first_row_limit);
-      if (need_mask)
+      if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
         apply_mask(s, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
 
       softmax.update(s, o, softmax_scale);
@@ -158,8 +134,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       ptx::cp_async_wait<1>();  // V[n_block] has landed
       __syncthreads();
       if (it + 1 < n_blocks)
-        load_tile_async<KVTile, kNThreads>(sV + (buf ^ 1) * KVTile::kElems, v, p.v_stride.seq, (n_block - 1) * kBlockN, seqlen_k,
-                                           head_dim);
+        load_tile_async<KVTile, kNThreads>(sV + (buf ^ 1) * KVTile::kElems, blk.v, p.v_stride.seq,
+                                           (n_block - 1) * kBlockN, seqlen_k, head_dim);
       ptx::cp_async_commit();
 
       gemm_pv<KVTile, kMTiles, kNTiles, kDTiles>(o, s, sV + buf * KVTile::kElems, lane);
@@ -169,31 +145,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 
   float lse[2 * kMTiles];
   softmax.finalize(o, lse);
-
-  // Epilogue: O through shared memory (the Q tile's space) so global stores are 16 bytes wide.
-  __syncthreads();  // every warp is done reading sQ
-#pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi) {
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_row0 + mi * 16 + (lane >> 2) + half * 8;
-#pragma unroll
-      for (int di = 0; di < kDTiles; ++di) {
-        const uint32_t packed = pack2<Element>(o[mi][di][2 * half], o[mi][di][2 * half + 1]);
-        *reinterpret_cast<uint32_t*>(sQ + QTile::elem_offset(row, di * 8 + frag_col_in_tile)) = packed;
-      }
-    }
-  }
-  if ((lane & 3) == 0) {
-    float* lse_out = p.lse + bh * p.seqlen_q;
-#pragma unroll
-    for (int r = 0; r < 2 * kMTiles; ++r) {
-      const int row = frag_row0 + (r >> 1) * 16 + (r & 1) * 8;
-      if (row < seqlen_q) lse_out[row] = lse[r];
-    }
-  }
-  __syncthreads();
-  store_tile<QTile, kNThreads>(sQ, out, p.out_stride.seq, m0, seqlen_q, head_dim);
+  __syncthreads();  // every warp is done reading sQ before the epilogue reuses it for O
+  cuda::write_output<QTile, kNThreads>(o, lse, sQ, blk, p, warp_row0, lane);
 }
 
 }  // namespace flashcore::sm80

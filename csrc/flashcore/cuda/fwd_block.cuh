@@ -1,0 +1,85 @@
+// Pieces of a forward thread block shared by the kernel families (sm80/, sm90/): which (batch, head, query
+// block) a block computes and which key blocks it must visit, and the epilogue that writes O and LSE.
+#pragma once
+
+#include <cstdint>
+
+#include "../params.h"
+#include "sm80/fwd_sm80_mainloop.cuh"  // pack2
+#include "sm80/tile_io.cuh"
+
+namespace flashcore::cuda {
+
+template <typename Element>
+struct FwdBlock {
+  int64_t bh;     // b * heads_q + h: also the row of lse
+  int m0;         // first query row of the block
+  int n_blocks;   // key blocks [0, n_blocks) may be visible from some row of the block
+  const Element* q;
+  const Element* k;
+  const Element* v;
+  Element* out;
+};
+
+// Blocks of one (batch, head) are adjacent in the grid, so they share K/V in L2; within a head the last query
+// blocks (the longest under a causal mask) are launched first.
+template <typename Element, int kBlockM, int kBlockN>
+__device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks) {
+  FwdBlock<Element> blk;
+  blk.bh = blockIdx.x / num_m_blocks;
+  const int m_block = num_m_blocks - 1 - (int)(blockIdx.x % num_m_blocks);
+  const int64_t b = blk.bh / p.heads_q;
+  const int64_t h = blk.bh % p.heads_q;
+  const int64_t h_kv = h / p.group;
+  blk.m0 = m_block * kBlockM;
+  blk.q = static_cast<const Element*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
+  blk.k = static_cast<const Element*>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head;
+  blk.v = static_cast<const Element*>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head;
+  blk.out = static_cast<Element*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
+  int64_t n_end = p.seqlen_k;
+  if (p.causal) {
+    const int64_t last_visible = (int64_t)blk.m0 + kBlockM - 1 + p.causal_offset;  // of the block's last row
+    n_end = last_visible + 1 < n_end ? last_visible + 1 : n_end;
+    if (n_end < 0) n_end = 0;
+  }
+  blk.n_blocks = (int)((n_end + kBlockN - 1) / kBlockN);
+  return blk;
+}
+
+// Key tile [n_block * kBlockN, +kBlockN) needs masking for some row of the block: it crosses the sequence end, or
+// it reaches past the causal limit of the block's first row (the smallest limit).
+template <int kBlockN>
+__device__ __forceinline__ bool tile_needs_mask(const FwdParams& p, int m0, int n_block) {
+  const int64_t tile_end = (int64_t)(n_block + 1) * kBlockN;
+  return tile_end > p.seqlen_k || (p.causal && tile_end > (int64_t)m0 + p.causal_offset + 1);
+}
+
+// Writes this warp's normalized O fragments (C layout, kMTiles m16 tiles from block row warp_row0) and their
+// LSE. O goes through the shared Q tile so the global stores are 16 bytes wide; the caller guarantees no thread
+// still reads sQ.
+template <typename QTile, int kNThreads, int kMTiles, int kDTiles, typename Element>
+__device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][4], const float (&lse)[2 * kMTiles],
+                                             Element* sQ, const FwdBlock<Element>& blk, const FwdParams& p,
+                                             int warp_row0, int lane) {
+  const int frag_col = 2 * (lane & 3);
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + mi * 16 + (lane >> 2) + half * 8;
+#pragma unroll
+      for (int di = 0; di < kDTiles; ++di) {
+        const uint32_t packed = sm80::pack2<Element>(o[mi][di][2 * half], o[mi][di][2 * half + 1]);
+        *reinterpret_cast<uint32_t*>(sQ + QTile::elem_offset(row, di * 8 + frag_col)) = packed;
+      }
+      if ((lane & 3) == 0) {
+        const int q_row = blk.m0 + row;
+        if (q_row < p.seqlen_q) p.lse[blk.bh * p.seqlen_q + q_row] = lse[2 * mi + half];
+      }
+    }
+  }
+  __syncthreads();
+  sm80::store_tile<QTile, kNThreads>(sQ, blk.out, p.out_stride.seq, blk.m0, (int)p.seqlen_q, (int)p.head_dim);
+}
+
+}  // namespace flashcore::cuda
