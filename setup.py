@@ -73,7 +73,11 @@ def get_extensions():
     use_cuda = _want_cuda()
 
     # py_limited_api=True makes torch define Py_LIMITED_API (the stable ABI), so the .abi3.so loads on 3.11+.
-    cxx_flags = ["-O0" if debug else "-O3", "-std=c++17",]
+    # -fopenmp: at::parallel_for is header-inline and expands to `#pragma omp parallel` (torch's parallel backend
+    # is OpenMP); without the flag the CPU kernels would silently run on one thread. The library resolves to the
+    # libgomp.so.1 that torch itself ships and has already loaded.
+    cxx_flags = ["-O0" if debug else "-O3", "-std=c++17", "-fopenmp"]
+    link_flags = ["-fopenmp"]
     if debug:
         cxx_flags.append("-g")
     sources = sorted(glob.glob(os.path.join(CSRC, "*.cpp")) + glob.glob(os.path.join(CSRC, "cpu", "*.cpp")))
@@ -84,6 +88,7 @@ def get_extensions():
                 "flashcore._C",
                 sources,
                 extra_compile_args={"cxx": cxx_flags},
+                extra_link_args=link_flags,
                 py_limited_api=True,
             )
         ]
@@ -130,6 +135,7 @@ def get_extensions():
             "flashcore._C",
             sources + cuda_sources,
             extra_compile_args={"cxx": cxx_flags, "nvcc": nvcc_flags},
+            extra_link_args=link_flags,
             py_limited_api=True,
         )
     ]

@@ -141,6 +141,7 @@ FwdParams make_fwd_params(const at::Tensor& query, const at::Tensor& key, const 
   p.seqlen_k = key.size(2);
   p.head_dim = query.size(3);
   p.scale = static_cast<float>(opts.softmax_scale);
+  p.scale_fp64 = opts.softmax_scale;
   p.scale_log2 = static_cast<float>(opts.softmax_scale * 1.4426950408889634);  // log2(e)
   p.causal = opts.is_causal;
   p.causal_offset = opts.causal_bottom_right ? p.seqlen_k - p.seqlen_q : 0;

@@ -37,6 +37,7 @@ struct FwdParams {
 
   float scale = 1.f;       // softmax scale applied to q.k
   float scale_log2 = 1.f;  // scale * log2(e): kernels exponentiate with exp2
+  double scale_fp64 = 1.0;  // the same scale unrounded, for float64 inputs (the gradcheck path)
 
   // Causal masking: key j is visible from query i iff j <= i + causal_offset.
   // SDPA's is_causal (top-left aligned) has offset 0; flash-attn's bottom-right alignment has seqlen_k - seqlen_q.

@@ -1,0 +1,228 @@
+// CPU backward: FlashAttention-2's structure, parallel over key blocks. With P = exp(scale Q K^T - lse) rebuilt
+// from the saved log-sum-exp (no seqlen_q x seqlen_k buffer) and delta_i = dO_i . O_i:
+//   dV = P^T dO,   dP = dO V^T,   dS = P o (dP - delta),   dK = scale dS^T Q,   dQ = scale dS K.
+// One task owns (batch, key/value head, chunk of key blocks) and walks every query head of its GQA group and
+// every query block, so dK and dV of its keys are summed in registers/scratch and written once, with no atomics.
+// dQ is summed across key blocks: each key chunk adds into its own fp32/fp64 partial buffer, and a final pass adds
+// the partials in chunk order. The chunking depends on the shape only, so the same inputs give the same bits
+// whatever the thread count, and the `deterministic` flag costs nothing here. Chunks exist to find parallelism
+// when batch x kv heads is small.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "kernels_cpu.h"
+#include "microkernel_cpu.h"
+
+namespace flashcore::cpu {
+namespace {
+
+constexpr int64_t kQueryBlock = 64;
+constexpr int64_t kKeyBlock = 64;
+constexpr int64_t kMinTasks = 32;
+constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;
+
+// The saved lse is float32 (the op's schema), about 1e-7 relative: enough for every dtype but float64, whose
+// gradients would inherit that error. For float64 the row log-sum-exp is recomputed exactly (the forward's first
+// two steps again: S = (scale Q) K^T and the running max and sum), about 20% of the backward's work.
+template <typename Ops, typename S, typename T>
+void recompute_lse(const BwdParams& p, T scale, T* lse) {
+  const int64_t D = p.head_dim;
+  const int64_t Dp = round_up(D, kPad);
+  const int64_t ld = round_up(kKeyBlock, kPad);
+  const int64_t q_blocks = (p.seqlen_q + kQueryBlock - 1) / kQueryBlock;
+  at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> scratch(Scratch<T>::total({kQueryBlock * Dp, D * ld, kQueryBlock * ld, 3 * kQueryBlock}));
+    T* q_tile = scratch.take(kQueryBlock * Dp);
+    T* kt_tile = scratch.take(D * ld);
+    T* s_tile = scratch.take(kQueryBlock * ld);
+    T* row_max = scratch.take(kQueryBlock);
+    T* row_sum = scratch.take(kQueryBlock);
+    T* alpha = scratch.take(kQueryBlock);
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qb = task % q_blocks;
+      const int64_t bh = task / q_blocks;
+      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group;
+      const int64_t i0 = qb * kQueryBlock;
+      const int64_t rows = std::min(kQueryBlock, p.seqlen_q - i0);
+      const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + i0 * p.q_stride.seq;
+      const S* k = static_cast<const S*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+      Ops::pack_rows(q, p.q_stride.seq, rows, D, scale, q_tile, Dp, rows);
+      std::fill(row_max, row_max + rows, -std::numeric_limits<T>::infinity());
+      std::fill(row_sum, row_sum + rows, T(0));
+      int64_t key_end = p.seqlen_k;
+      if (p.causal) key_end = std::clamp<int64_t>(i0 + rows + p.causal_offset, 0, p.seqlen_k);
+      for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+        const int64_t keys = std::min(kKeyBlock, p.seqlen_k - j0);
+        const int64_t cols = round_up(keys, kPad);
+        Ops::pack_transposed(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, kt_tile, ld);
+        Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ld, s_tile, ld);
+        const BlockMask mask{keys, p.causal, i0 + p.causal_offset - j0 + 1};
+        Ops::softmax_update(s_tile, ld, rows, cols, mask, row_max, row_sum, alpha);
+      }
+      for (int64_t r = 0; r < rows; ++r) {
+        lse[bh * p.seqlen_q + i0 + r] =
+            row_sum[r] > T(0) ? row_max[r] + std::log(row_sum[r]) : std::numeric_limits<T>::infinity();
+      }
+    }
+  });
+}
+
+template <typename Ops, typename S, typename T>
+void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
+  const int64_t D = p.head_dim;
+  const int64_t Dp = round_up(D, kPad);
+  const int64_t ld = round_up(kKeyBlock, kPad);  // row length of K^T, V^T, S/P and dP/dS
+  const int64_t key_blocks = (p.seqlen_k + kKeyBlock - 1) / kKeyBlock;
+  const int64_t heads = p.batch * p.heads_kv;
+  // Split keys into chunks only when batch x kv heads gives fewer than kMinTasks tasks; the split depends on the
+  // shape alone (never on the thread count), so the dQ summation order and hence the bits are fixed. The dQ
+  // partials are capped at kMaxPartialBytes.
+  const int64_t dq_bytes = std::max<int64_t>(1, p.batch * p.heads_q * p.seqlen_q * Dp * int64_t(sizeof(T)));
+  const int64_t chunk_cap = std::max<int64_t>(1, kMaxPartialBytes / dq_bytes);
+  const int64_t chunks =
+      std::clamp<int64_t>((kMinTasks + heads - 1) / heads, 1, std::min(key_blocks, chunk_cap));
+  const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
+  const T scale = std::is_same_v<T, double> ? static_cast<T>(p.scale_fp64) : static_cast<T>(p.scale);
+
+  // delta_i = dO_i . O_i, and lse with "+inf" for rows that saw no key (P = exp(s - inf) = 0 there).
+  const int64_t rows_total = p.batch * p.heads_q * p.seqlen_q;
+  at::Tensor row_stats = at::empty({2, rows_total}, at::TensorOptions().dtype(acc_dtype));
+  T* delta = row_stats.data_ptr<T>();
+  T* lse = delta + rows_total;
+  at::parallel_for(0, p.batch * p.heads_q, 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> scratch(Dp);
+    T* o_row = scratch.take(Dp);
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+      const S* o = static_cast<const S*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
+      const S* dout = static_cast<const S*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
+      for (int64_t i = 0; i < p.seqlen_q; ++i) {
+        Ops::pack_rows(o + i * p.out_stride.seq, 0, 1, D, T(1), o_row, Dp, 1);
+        Ops::row_dots(o_row, Dp, dout + i * p.dout_stride.seq, 0, 1, D, delta + bh * p.seqlen_q + i);
+        const float l = p.lse[bh * p.seqlen_q + i];
+        lse[bh * p.seqlen_q + i] = l == -std::numeric_limits<float>::infinity()
+                                       ? std::numeric_limits<T>::infinity()
+                                       : static_cast<T>(l);
+      }
+    }
+  });
+
+  if constexpr (std::is_same_v<T, double>) recompute_lse<Ops, S, T>(p, scale, lse);
+
+  // dQ partial sums: (chunks, batch, heads_q, seqlen_q, Dp).
+  const int64_t dq_rows = p.batch * p.heads_q * p.seqlen_q;
+  at::Tensor dq_partial = at::zeros({chunks, dq_rows, Dp}, at::TensorOptions().dtype(acc_dtype));
+  T* dq_acc_all = dq_partial.data_ptr<T>();
+
+  at::parallel_for(0, heads * chunks, 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> scratch(Scratch<T>::total({D * ld, D * ld, kKeyBlock * Dp, kQueryBlock * Dp, kQueryBlock * Dp,
+                                          kQueryBlock * ld, kQueryBlock * ld, kKeyBlock * Dp, kKeyBlock * Dp}));
+    T* kt_tile = scratch.take(D * ld);          // K^T, D x ld
+    T* vt_tile = scratch.take(D * ld);          // V^T, D x ld
+    T* k_tile = scratch.take(kKeyBlock * Dp);   // K, keys x Dp
+    T* q_tile = scratch.take(kQueryBlock * Dp);   // scale * Q, rows x Dp
+    T* do_tile = scratch.take(kQueryBlock * Dp);  // dO, rows x Dp
+    T* s_tile = scratch.take(kQueryBlock * ld);   // S, then P
+    T* dp_tile = scratch.take(kQueryBlock * ld);  // dP, then dS
+    T* dk_acc = scratch.take(kKeyBlock * Dp);
+    T* dv_acc = scratch.take(kKeyBlock * Dp);
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t chunk = task % chunks;
+      const int64_t hk = (task / chunks) % p.heads_kv;
+      const int64_t b = task / (chunks * p.heads_kv);
+      T* dq_acc = dq_acc_all + chunk * dq_rows * Dp;
+      const S* k = static_cast<const S*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+      const S* v = static_cast<const S*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+      S* dk = static_cast<S*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
+      S* dv = static_cast<S*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
+
+      const int64_t kb_end = std::min(key_blocks, (chunk + 1) * blocks_per_chunk);
+      for (int64_t kb = chunk * blocks_per_chunk; kb < kb_end; ++kb) {
+        const int64_t j0 = kb * kKeyBlock;
+        const int64_t keys = std::min(kKeyBlock, p.seqlen_k - j0);
+        const int64_t cols = round_up(keys, kPad);
+        Ops::pack_transposed(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, kt_tile, ld);
+        Ops::pack_transposed(v + j0 * p.v_stride.seq, p.v_stride.seq, keys, D, vt_tile, ld);
+        Ops::pack_rows(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, T(1), k_tile, Dp, keys);
+        std::fill(dk_acc, dk_acc + keys * Dp, T(0));
+        std::fill(dv_acc, dv_acc + keys * Dp, T(0));
+
+        // Causal: query i sees key j iff j <= i + causal_offset, so queries before j0 - causal_offset see none
+        // of this block.
+        const int64_t first_query = p.causal ? std::max<int64_t>(0, j0 - p.causal_offset) : 0;
+        for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
+          const int64_t bh = b * p.heads_q + h;
+          const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
+          const S* dout = static_cast<const S*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
+          for (int64_t i0 = first_query / kQueryBlock * kQueryBlock; i0 < p.seqlen_q; i0 += kQueryBlock) {
+            const int64_t rows = std::min(kQueryBlock, p.seqlen_q - i0);
+            Ops::pack_rows(q + i0 * p.q_stride.seq, p.q_stride.seq, rows, D, scale, q_tile, Dp, rows);
+            Ops::pack_rows(dout + i0 * p.dout_stride.seq, p.dout_stride.seq, rows, D, T(1), do_tile, Dp, rows);
+
+            Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ld, s_tile, ld);
+            Ops::template gemm<GemmMode::kStore>(rows, cols, D, do_tile, Dp, 1, vt_tile, ld, dp_tile, ld);
+            const BlockMask mask{keys, p.causal, i0 + p.causal_offset - j0 + 1};
+            Ops::softmax_grad(s_tile, dp_tile, ld, rows, cols, mask, lse + bh * p.seqlen_q + i0,
+                              delta + bh * p.seqlen_q + i0);
+
+            // dV += P^T dO and dK += dS^T (scale Q): the A operand read transposed (a_row = 1, a_col = ld).
+            Ops::template gemm<GemmMode::kAccumulate>(keys, Dp, rows, s_tile, 1, ld, do_tile, Dp, dv_acc, Dp);
+            Ops::template gemm<GemmMode::kAccumulate>(keys, Dp, rows, dp_tile, 1, ld, q_tile, Dp, dk_acc, Dp);
+            // dQ (unscaled) += dS K.
+            Ops::template gemm<GemmMode::kAccumulate>(rows, Dp, keys, dp_tile, ld, 1, k_tile, Dp,
+                                                      dq_acc + (bh * p.seqlen_q + i0) * Dp, Dp);
+          }
+        }
+        Ops::store_rows(dk_acc, Dp, keys, D, static_cast<const T*>(nullptr), T(1), dk + j0 * p.dk_stride.seq,
+                        p.dk_stride.seq);
+        Ops::store_rows(dv_acc, Dp, keys, D, static_cast<const T*>(nullptr), T(1), dv + j0 * p.dv_stride.seq,
+                        p.dv_stride.seq);
+      }
+      // A causal key block that no query sees still writes zeros above, so every dK/dV row is defined.
+    }
+  });
+
+  // dQ = scale * sum over chunks, in chunk order; partials are added into chunk 0.
+  at::parallel_for(0, dq_rows, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t row = begin; row < end; ++row) {
+      T* acc = dq_acc_all + row * Dp;
+      for (int64_t c = 1; c < chunks; ++c) {
+        const T* part = dq_acc_all + (c * dq_rows + row) * Dp;
+        for (int64_t d = 0; d < D; ++d) acc[d] += part[d];
+      }
+      const int64_t i = row % p.seqlen_q;
+      const int64_t h = (row / p.seqlen_q) % p.heads_q;
+      const int64_t b = row / (p.seqlen_q * p.heads_q);
+      S* dq = static_cast<S*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + i * p.dq_stride.seq;
+      Ops::store_rows(acc, Dp, 1, D, static_cast<const T*>(nullptr), scale, dq, 0);
+    }
+  });
+}
+
+template <typename Ops>
+void bwd_dispatch(const BwdParams& p, c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return bwd_impl<Ops, float, float>(p, at::kFloat);
+    case c10::ScalarType::Double: return bwd_impl<Ops, double, double>(p, at::kDouble);
+    case c10::ScalarType::Half: return bwd_impl<Ops, c10::Half, float>(p, at::kFloat);
+    case c10::ScalarType::BFloat16: return bwd_impl<Ops, c10::BFloat16, float>(p, at::kFloat);
+    default: TORCH_CHECK(false, "flashcore: CPU backward has no kernel for dtype ", dtype);
+  }
+}
+
+}  // namespace
+
+void bwd_kernel(const BwdParams& p, c10::ScalarType dtype) {
+#if FLASHCORE_CPU_HAVE_AVX2
+  if (use_avx2_fma()) return bwd_dispatch<avx2::BlockOps>(p, dtype);
+#endif
+  bwd_dispatch<portable::BlockOps>(p, dtype);
+}
+
+}  // namespace flashcore::cpu

@@ -1,0 +1,117 @@
+// CPU forward: FlashAttention's blocked online softmax. One task is one (batch, query head, block of kQueryBlock
+// queries); it walks the key blocks left to right keeping the running row max m, the running sum l and the
+// unnormalized output O in a per-thread fp32 (fp64 for float64) workspace, so nothing of size seqlen_q x seqlen_k
+// exists. Per key block:
+//   S = (scale Q) K^T                 gemm, K packed transposed (head_dim x keys)
+//   m', l', P = exp(S - m')           BlockOps::softmax_update (masked scores -> P = 0)
+//   O = diag(exp(m - m')) O + P V     gemm with the rescale fused into its accumulator load
+// and at the end out = O / l, lse = m + log(l) (out = 0, lse = -inf for a row that saw no key).
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "kernels_cpu.h"
+#include "microkernel_cpu.h"
+
+namespace flashcore::cpu {
+namespace {
+
+// 64 x 64 blocks keep the working set (Q, K^T, V, S, O: 5 x 64 x 128 floats = 160 KiB at head_dim 128) in L2.
+constexpr int64_t kQueryBlock = 64;
+constexpr int64_t kKeyBlock = 64;
+
+template <typename Ops, typename S, typename T>
+void fwd_impl(const FwdParams& p) {
+  const int64_t D = p.head_dim;
+  const int64_t Dp = round_up(D, kPad);
+  const int64_t ldk = round_up(kKeyBlock, kPad);  // row length of K^T and S
+  const int64_t q_blocks = (p.seqlen_q + kQueryBlock - 1) / kQueryBlock;
+  const int64_t tasks = p.batch * p.heads_q * q_blocks;
+  const T scale = std::is_same_v<T, double> ? static_cast<T>(p.scale_fp64) : static_cast<T>(p.scale);
+  constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+
+  at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
+    Scratch<T> scratch(Scratch<T>::total(
+        {kQueryBlock * Dp, D * ldk, kKeyBlock * Dp, kQueryBlock * ldk, kQueryBlock * Dp, 4 * kQueryBlock}));
+    T* q_tile = scratch.take(kQueryBlock * Dp);   // scale * Q, rows x Dp
+    T* kt_tile = scratch.take(D * ldk);           // K^T, D x ldk
+    T* v_tile = scratch.take(kKeyBlock * Dp);     // V, keys x Dp
+    T* s_tile = scratch.take(kQueryBlock * ldk);  // scores, then probabilities
+    T* o_acc = scratch.take(kQueryBlock * Dp);    // unnormalized output
+    T* row_max = scratch.take(kQueryBlock);
+    T* row_sum = scratch.take(kQueryBlock);
+    T* alpha = scratch.take(kQueryBlock);
+    T* inv_sum = scratch.take(kQueryBlock);
+
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t qb = task % q_blocks;
+      const int64_t h = (task / q_blocks) % p.heads_q;
+      const int64_t b = task / (q_blocks * p.heads_q);
+      const int64_t hk = h / p.group;
+      const int64_t i0 = qb * kQueryBlock;
+      const int64_t rows = std::min(kQueryBlock, p.seqlen_q - i0);
+
+      const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + i0 * p.q_stride.seq;
+      const S* k = static_cast<const S*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
+      const S* v = static_cast<const S*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
+      S* out = static_cast<S*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head + i0 * p.out_stride.seq;
+      float* lse = p.lse + (b * p.heads_q + h) * p.seqlen_q + i0;
+
+      Ops::pack_rows(q, p.q_stride.seq, rows, D, scale, q_tile, Dp, rows);
+      std::fill(o_acc, o_acc + rows * Dp, T(0));
+      std::fill(row_max, row_max + rows, kNegInf);
+      std::fill(row_sum, row_sum + rows, T(0));
+
+      // Causal: the last query of this block sees keys up to i0 + rows - 1 + causal_offset; later blocks are
+      // skipped entirely.
+      int64_t key_end = p.seqlen_k;
+      if (p.causal) key_end = std::clamp<int64_t>(i0 + rows + p.causal_offset, 0, p.seqlen_k);
+
+      for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+        const int64_t keys = std::min(kKeyBlock, p.seqlen_k - j0);
+        const int64_t cols = round_up(keys, kPad);
+        Ops::pack_transposed(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, kt_tile, ldk);
+        Ops::pack_rows(v + j0 * p.v_stride.seq, p.v_stride.seq, keys, D, T(1), v_tile, Dp, keys);
+
+        Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ldk, s_tile, ldk);
+        const BlockMask mask{keys, p.causal, i0 + p.causal_offset - j0 + 1};
+        Ops::softmax_update(s_tile, ldk, rows, cols, mask, row_max, row_sum, alpha);
+        Ops::template gemm<GemmMode::kScaleAccumulate>(rows, Dp, keys, s_tile, ldk, 1, v_tile, Dp, o_acc, Dp,
+                                                      alpha);
+      }
+
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool empty = !(row_sum[r] > T(0));
+        inv_sum[r] = empty ? T(0) : T(1) / row_sum[r];
+        lse[r] = empty ? -std::numeric_limits<float>::infinity()
+                       : static_cast<float>(row_max[r] + std::log(row_sum[r]));
+      }
+      Ops::store_rows(o_acc, Dp, rows, D, inv_sum, T(1), out, p.out_stride.seq);
+    }
+  });
+}
+
+template <typename Ops>
+void fwd_dispatch(const FwdParams& p, c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::ScalarType::Float: return fwd_impl<Ops, float, float>(p);
+    case c10::ScalarType::Double: return fwd_impl<Ops, double, double>(p);
+    case c10::ScalarType::Half: return fwd_impl<Ops, c10::Half, float>(p);
+    case c10::ScalarType::BFloat16: return fwd_impl<Ops, c10::BFloat16, float>(p);
+    default: TORCH_CHECK(false, "flashcore: CPU forward has no kernel for dtype ", dtype);
+  }
+}
+
+}  // namespace
+
+void fwd_kernel(const FwdParams& p, c10::ScalarType dtype) {
+#if FLASHCORE_CPU_HAVE_AVX2
+  if (use_avx2_fma()) return fwd_dispatch<avx2::BlockOps>(p, dtype);
+#endif
+  fwd_dispatch<portable::BlockOps>(p, dtype);
+}
+
+}  // namespace flashcore::cpu
