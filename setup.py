@@ -103,7 +103,11 @@ def get_extensions():
         if t not in ALL_DTYPES:
             raise RuntimeError(f"FLASHCORE_DTYPES: unsupported dtype {t!r}; choose from {ALL_DTYPES}")
 
-    cuda_sources = sorted(glob.glob(os.path.join(CSRC, "cuda", "*.cpp")) + glob.glob(os.path.join(CSRC, "cuda", "*.cu")))
+    cuda_sources = sorted(
+        glob.glob(os.path.join(CSRC, "cuda", "*.cpp"))
+        + glob.glob(os.path.join(CSRC, "cuda", "*.cu"))
+        + glob.glob(os.path.join(CSRC, "cuda", "sm90", "*.cpp"))  # host code of the Hopper family (TMA descriptors)
+    )
     cuda_sources += sorted(
         p
         for p in glob.glob(os.path.join(CSRC, "cuda", "instantiations", "*.cu"))

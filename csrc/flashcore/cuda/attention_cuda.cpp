@@ -15,6 +15,7 @@
 #include "../attention_host.h"
 #include "bwd_composite_cuda.h"
 #include "fwd_registry.h"
+#include "sm90/tma_desc.h"
 
 namespace flashcore {
 namespace {
@@ -42,9 +43,21 @@ std::string forced_family() {
   return env ? std::string(env) : std::string();
 }
 
-// The wgmma family runs on compute capability 9.0 (sm_90a code) for the head dims it was compiled for; the
-// mma.sync family runs everywhere else.
-const char* select_family(const at::Tensor& query) {
+// TMA (the sm90 family's loads) needs positive 16-byte-multiple strides; a tensor that aligned_for_16b_loads
+// would copy is contiguous afterwards, hence compatible.
+bool tma_ready(const at::Tensor& t) {
+  const int64_t elems = 16 / t.element_size();
+  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % elems == 0 &&
+                       t.stride(1) % elems == 0 && t.stride(2) % elems == 0;
+  if (!aligned) return true;
+  const Strides s{t.stride(0), t.stride(1), t.stride(2)};
+  return sm90::tma_compatible(t.data_ptr(), s, t.size(0), t.size(1), t.size(2));
+}
+
+// The wgmma family runs on compute capability 9.0 (sm_90a code) for the head dims it was compiled for and
+// tensors TMA can describe; the mma.sync family runs everywhere else (also when sm90 is forced but the layout
+// rules it out, e.g. a zero-stride expanded key).
+const char* select_family(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.device().index());
   const bool hopper = prop->major == 9 && prop->minor == 0;
   const auto dtype = to_dtype(query.scalar_type());
@@ -58,11 +71,11 @@ const char* select_family(const at::Tensor& query) {
     TORCH_CHECK(sm90_built, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 but this build has no sm90 kernel for head_dim ",
                 head_dim, " and dtype ", c10::toString(query.scalar_type()), " (build with FLASHCORE_CUDA_ARCHS "
                 "including 90a)");
-    return "sm90";
+    return tma_ready(query) && tma_ready(key) && tma_ready(value) ? "sm90" : "sm80";
   }
   TORCH_CHECK(forced.empty(), "flashcore: FLASHCORE_FORCE_KERNEL=", forced,
               " is not a forward kernel family (sm80, sm90)");
-  return hopper && sm90_built ? "sm90" : "sm80";
+  return hopper && sm90_built && tma_ready(query) && tma_ready(key) && tma_ready(value) ? "sm90" : "sm80";
 }
 
 void check_device(const at::Tensor& query) {
@@ -109,7 +122,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at
   const at::Tensor key = aligned_for_16b_loads(key_in);
   const at::Tensor value = aligned_for_16b_loads(value_in);
   p = make_fwd_params(query, key, value, out, lse, opts);
-  const cuda::FwdKernelEntry& kernel = find_kernel(select_family(query), query);
+  const cuda::FwdKernelEntry& kernel = find_kernel(select_family(query, key, value), query);
   kernel.launch(p, at::cuda::getCurrentCUDAStream());
   return {out, lse};
 }
@@ -118,7 +131,7 @@ std::string fwd_kernel_name_cuda(const at::Tensor& query, const at::Tensor& key,
                                  bool is_causal) {
   const MaskOptions opts{1.0, is_causal, false, -1, -1, 0.0};
   check_fwd_inputs(query, key, value, opts, kCudaLimits);
-  return select_family(query);
+  return select_family(query, key, value);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_out, const at::Tensor& query,

@@ -1,4 +1,5 @@
-// Host-side launch of the Hopper (wgmma) forward kernel, included by the sm90 instantiation files only.
+// Host-side launch of the Hopper (wgmma + TMA) forward kernel, included by the sm90 instantiation files only.
+// The dispatcher (attention_cuda.cpp) sends only TMA-compatible tensors here (tma_desc.h).
 #pragma once
 
 #include <c10/cuda/CUDAException.h>
@@ -6,10 +7,12 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../params.h"
 #include "../launch_utils.cuh"
 #include "fwd_sm90_kernel.cuh"
+#include "tma_desc.h"
 
 namespace flashcore::sm90 {
 
@@ -21,9 +24,17 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   static std::atomic<uint64_t> configured_devices{0};
   cuda::set_max_dynamic_smem_once(kernel, kSmem, configured_devices);
 
+  constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
+  const CUtensorMap tm_q = make_tensor_map_bhsd(p.q, p.q_stride, p.batch, p.heads_q, p.seqlen_q, p.head_dim,
+                                                Traits::kBlockM, kBf16);
+  const CUtensorMap tm_k = make_tensor_map_bhsd(p.k, p.k_stride, p.batch, p.heads_kv, p.seqlen_k, p.head_dim,
+                                                Traits::kBlockN, kBf16);
+  const CUtensorMap tm_v = make_tensor_map_bhsd(p.v, p.v_stride, p.batch, p.heads_kv, p.seqlen_k, p.head_dim,
+                                                Traits::kBlockN, kBf16);
+
   const int num_m_blocks = (int)((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   const int64_t grid = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked grid <= INT32_MAX
-  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, num_m_blocks);
+  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, num_m_blocks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -1,0 +1,31 @@
+// Tensor memory accelerator (TMA) loads, sm_90, wrapped once.
+// PTX ISA "Data movement: cp.async.bulk.tensor" (section 9.7.9.25.5.1) and "prefetch.tensormap" (9.7.9.15).
+// A 4-D tiled load copies one box of the tensor described by a CUtensorMap (built on the host, passed as a
+// __grid_constant__ kernel parameter) into shared memory and signals the bytes on an mbarrier (complete_tx).
+// Elements outside the tensor are written as zeros, so tails need no predication.
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "ldmatrix.cuh"  // smem_addr
+
+namespace flashcore::ptx {
+
+// Coordinates are element indices, innermost first: (column, row, head, batch).
+__device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* map, uint64_t* bar, int c0, int c1,
+                                            int c2, int c3) {
+  asm volatile(
+      "cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5, %6}], "
+      "[%2];\n" ::"r"(smem_addr(smem_dst)),
+      "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+      : "memory");
+}
+
+// Pulls the descriptor into the TMA unit's cache before the first load that uses it.
+__device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+}
+
+}  // namespace flashcore::ptx

@@ -1,0 +1,27 @@
+// Warpgroup-level register reallocation and named barriers, wrapped once.
+// PTX ISA "setmaxnreg" (section 9.7.17.1) and "bar.sync / barrier" (9.7.13.1).
+#pragma once
+
+#include <cstdint>
+
+namespace flashcore::ptx {
+
+// Every warp of a warpgroup must execute these together. The producer warpgroup gives registers back
+// (dec) so that the consumer warpgroups, which hold the S and O accumulators, can take them (inc).
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg takes a multiple of 8 in [24, 256]");
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+template <uint32_t kRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+  static_assert(kRegs % 8 == 0 && kRegs >= 24 && kRegs <= 256, "setmaxnreg takes a multiple of 8 in [24, 256]");
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
+}
+
+// Synchronizes `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is __syncthreads).
+__device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
+}  // namespace flashcore::ptx

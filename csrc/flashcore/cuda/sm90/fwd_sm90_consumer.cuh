@@ -1,0 +1,123 @@
+// Consumer warpgroups of the Hopper forward kernel: the two GEMMs on wgmma, masking and online softmax in
+// registers (shared with the mma.sync family: the wgmma accumulator layout equals the m16n8k16 one), and the
+// epilogue. Each warpgroup owns 64 query rows; the ring stages are released per warp as soon as the wgmma that
+// read them has retired.
+#pragma once
+
+#include <cstdint>
+
+#include "../fwd_block.cuh"
+#include "../ptx/mbarrier.cuh"
+#include "../ptx/warpgroup.cuh"
+#include "../ptx/wgmma_sm90.cuh"
+#include "../sm80/fwd_sm80_mainloop.cuh"
+#include "../sm80/fwd_sm80_mask.cuh"
+#include "../sm80/fwd_sm80_softmax.cuh"
+#include "fwd_sm90_traits.cuh"
+
+namespace flashcore::sm90 {
+
+// Hardware barrier shared by the consumer warpgroups only (the producer has exited by then); 0 is __syncthreads.
+constexpr uint32_t kConsumerBarrier = 1;
+
+// Descriptor of k-step ks (16 columns) of a K-major tile with `rows` rows starting at tile_addr + row0 * 128.
+__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile_addr, int rows, int row0, int ks) {
+  const uint32_t addr = tile_addr + (ks / 4) * rows * 128 + row0 * 128 + (ks % 4) * 32;
+  return ptx::make_smem_desc_sw128(addr, /*leading (unused)=*/16, /*stride=*/1024);
+}
+
+// Descriptor of keys [16 kk, 16 kk + 16) of a V tile (rows = keys) read as the MN-major B operand.
+__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile_addr, int rows, int kk) {
+  return ptx::make_smem_desc_sw128(tile_addr + kk * 16 * 128, /*leading=*/rows * 128, /*stride=*/1024);
+}
+
+template <typename Traits>
+__device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock<typename Traits::Element>& blk,
+                                        const SharedStorage<Traits>& smem) {
+  using Element = typename Traits::Element;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
+  constexpr int kNTiles = kBlockN / 8, kDTiles = Traits::kHeadDim / 8, kKSteps = Traits::kHeadDim / 16;
+  using MmaQK = ptx::Wgmma<Element, kBlockN>;
+  using MmaPV = ptx::Wgmma<Element, Traits::kHeadDim>;
+
+  const int lane = threadIdx.x & 31;
+  const int wg = threadIdx.x >> 7;
+  const int warp_row0 = wg * 64 + ((threadIdx.x >> 5) & 3) * 16;  // this warp's 16 rows inside the block
+  const uint32_t q_addr = ptx::smem_addr(smem.q);
+  const uint32_t k_addr = ptx::smem_addr(smem.k);
+  const uint32_t v_addr = ptx::smem_addr(smem.v);
+  const int m0 = blk.m0, n_blocks = blk.n_blocks;
+  const int seqlen_k = (int)p.seqlen_k;
+
+  float o[1][kDTiles][4];
+#pragma unroll
+  for (int di = 0; di < kDTiles; ++di)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][di][e] = 0.f;
+  sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
+  const int frag_row0 = m0 + warp_row0 + (lane >> 2);
+  const int frag_col_in_tile = 2 * (lane & 3);
+
+  if (n_blocks > 0) {
+    const bool negative_scale = !(p.scale_log2 > 0.f);
+    const float softmax_scale = negative_scale ? 1.f : p.scale_log2;
+    ptx::mbarrier_wait(smem.q_full, 0);
+
+    for (int it = 0; it < n_blocks; ++it) {
+      const int n_block = n_blocks - 1 - it;
+      const int stage = it % kStages;
+      const uint32_t parity = (it / kStages) & 1;
+
+      float s[1][kNTiles][4];
+      float(&s_flat)[kBlockN / 2] = *reinterpret_cast<float(*)[kBlockN / 2]>(&s[0][0][0]);
+      ptx::mbarrier_wait(&smem.k_full[stage], parity);
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks)
+        MmaQK::ss(s_flat, kmajor_desc(q_addr, kBlockM, wg * 64, ks),
+                  kmajor_desc(k_addr + stage * Traits::kKVBytes, kBlockN, 0, ks), ks > 0);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[stage]);
+
+      if (negative_scale) {
+#pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
+      }
+      if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
+        sm80::apply_mask(s, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
+      softmax.update(s, o, softmax_scale);
+
+      // P as wgmma A fragments, all packed before the fence so the MMAs issue back to back.
+      uint32_t pa[kBlockN / 16][4];
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        pa[kk][0] = sm80::pack2<Element>(s[0][2 * kk][0], s[0][2 * kk][1]);
+        pa[kk][1] = sm80::pack2<Element>(s[0][2 * kk][2], s[0][2 * kk][3]);
+        pa[kk][2] = sm80::pack2<Element>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+        pa[kk][3] = sm80::pack2<Element>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+      }
+      float(&o_flat)[Traits::kHeadDim / 2] = *reinterpret_cast<float(*)[Traits::kHeadDim / 2]>(&o[0][0][0]);
+      ptx::mbarrier_wait(&smem.v_full[stage], parity);
+      ptx::wgmma_fence();  // o was rescaled and P written by ordinary instructions
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk)
+        MmaPV::rs(o_flat, pa[kk], mnmajor_desc(v_addr + stage * Traits::kKVBytes, kBlockN, kk), true);
+      ptx::wgmma_commit();
+      ptx::wgmma_wait<0>();
+      if (lane == 0) ptx::mbarrier_arrive(&smem.v_empty[stage]);
+    }
+  }
+
+  float lse[2];
+  softmax.finalize(o, lse);
+  // Every consumer's wgmma reads of the Q tile have retired (wait_group 0 above) before it is reused to stage O.
+  ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
+  cuda::write_output<typename Traits::QTile, Traits::kConsumerThreads>(
+      o, lse, smem.q, blk, p, warp_row0, lane,
+      [] { ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads); });
+}
+
+}  // namespace flashcore::sm90

@@ -1,0 +1,69 @@
+// Compile-time shape of the Hopper forward kernel and the layout of its shared memory.
+#pragma once
+
+#include <cstdint>
+
+#include "../sm80/smem_tile.cuh"
+#include "fwd_sm90_config.cuh"
+
+namespace flashcore::sm90 {
+
+template <int kHeadDim_, typename Element_>
+struct FwdSm90Traits {
+  using Element = Element_;
+  using Config = FwdSm90Config<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "wgmma tiles use 64-element swizzle spans");
+  static constexpr int kWarpgroups = Config::kWarpgroups;  // consumers
+  static constexpr int kBlockM = 64 * kWarpgroups;
+  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kStages = Config::kStages;
+  static constexpr int kConsumerThreads = 128 * kWarpgroups;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kNThreads = kConsumerThreads + 128;  // + the producer warpgroup
+  static constexpr int kProducerRegs = Config::kProducerRegs;
+  static constexpr int kConsumerRegs = Config::kConsumerRegs;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file overcommitted");
+  static constexpr int kSpans = kHeadDim / 64;  // TMA boxes per tile
+  static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
+
+  using QTile = sm80::SmemTile<kBlockM, kHeadDim>;
+  using KVTile = sm80::SmemTile<kBlockN, kHeadDim>;
+  static constexpr uint32_t kQBytes = QTile::kElems * 2;
+  static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
+  static constexpr int kBarriers = 1 + 4 * kStages;
+  // Tiles are 1024-byte aligned (the swizzle atom); the slack covers aligning the dynamic shared memory base.
+  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
+};
+
+template <typename Traits>
+struct SharedStorage {
+  using Element = typename Traits::Element;
+  Element* q;
+  Element* k;  // kStages K tiles
+  Element* v;  // kStages V tiles
+  uint64_t* q_full;
+  uint64_t* k_full;
+  uint64_t* v_full;
+  uint64_t* k_empty;
+  uint64_t* v_empty;
+
+  __device__ __forceinline__ explicit SharedStorage(unsigned char* raw) {
+    unsigned char* base =
+        reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    q = reinterpret_cast<Element*>(base);
+    k = reinterpret_cast<Element*>(base + Traits::kQBytes);
+    v = reinterpret_cast<Element*>(base + Traits::kQBytes + Traits::kStages * Traits::kKVBytes);
+    uint64_t* bars =
+        reinterpret_cast<uint64_t*>(base + Traits::kQBytes + 2 * Traits::kStages * Traits::kKVBytes);
+    q_full = bars;
+    k_full = bars + 1;
+    v_full = k_full + Traits::kStages;
+    k_empty = v_full + Traits::kStages;
+    v_empty = k_empty + Traits::kStages;
+  }
+  __device__ __forceinline__ Element* k_stage(int s) const { return k + s * Traits::KVTile::kElems; }
+  __device__ __forceinline__ Element* v_stage(int s) const { return v + s * Traits::KVTile::kElems; }
+};
+
+}  // namespace flashcore::sm90

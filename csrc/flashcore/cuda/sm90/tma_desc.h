@@ -1,0 +1,25 @@
+// Host side of the TMA loads: CUtensorMap descriptors of (batch, head, seq, dim) tensors, built from strides.
+// The driver entry point is fetched through the runtime (cudaGetDriverEntryPointByVersion), so the extension does
+// not link libcuda directly.
+#pragma once
+
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "../../params.h"
+
+namespace flashcore::sm90 {
+
+// TMA's rules for a 16-bit (batch, head, seq, dim) tensor read as boxes of 64 x box_rows elements with the
+// 128-byte swizzle: 16-byte aligned base, every stride of a dimension longer than 1 positive, a multiple of
+// 16 bytes and below 2^40 bytes, sizes below 2^32. The dispatcher sends anything else to the mma.sync family.
+bool tma_compatible(const void* base, const Strides& s, int64_t batch, int64_t heads, int64_t seqlen);
+
+// Encodes the descriptor; dims are (head_dim, seqlen, heads, batch), box (64, box_rows, 1, 1). Throws (TORCH_CHECK)
+// if the driver refuses, which tma_compatible rules out.
+CUtensorMap make_tensor_map_bhsd(const void* base, const Strides& s, int64_t batch, int64_t heads, int64_t seqlen,
+                                 int64_t head_dim, int box_rows, bool bf16);
+
+}  // namespace flashcore::sm90
