@@ -1,0 +1,154 @@
+"""CPU forward against the float64 reference and SDPA (flash-attn's tolerance rule)."""
+
+import itertools
+import math
+
+import pytest
+import torch
+
+import flashcore
+from conftest import assert_flash_close, make_generator, randn, reference_attention, sdpa
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+# (B, Hq, Hkv, Sq, Sk, D): lengths 1, 17, 64, 113, 256, 1000, Sq != Sk, head dims 16..256 and odd ones, GQA/MQA.
+SHAPES = [
+    (2, 2, 2, 17, 17, 16),
+    (1, 2, 2, 64, 64, 32),
+    (2, 3, 3, 113, 113, 64),
+    (1, 4, 2, 256, 256, 128),
+    (1, 1, 1, 1000, 1000, 64),
+    (1, 2, 2, 1, 1000, 128),
+    (1, 2, 2, 1000, 17, 32),
+    (2, 4, 1, 113, 256, 96),
+    (1, 2, 2, 64, 113, 256),
+    (1, 2, 2, 17, 64, 80),
+    (1, 2, 2, 256, 1, 40),
+    (2, 2, 2, 33, 65, 3),
+    (1, 1, 1, 5, 7, 1),
+    (1, 6, 3, 50, 50, 200),
+]
+
+
+def _case_id(shape):
+    return "x".join(map(str, shape))
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=_case_id)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_matches_reference(request, shape, dtype, causal):
+    B, Hq, Hkv, Sq, Sk, D = shape
+    g = make_generator(request)
+    q = randn((B, Hq, Sq, D), dtype, g)
+    k = randn((B, Hkv, Sk, D), dtype, g)
+    v = randn((B, Hkv, Sk, D), dtype, g)
+    out, lse = flashcore.attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv, return_lse=True)
+    ref, ref_lse = reference_attention(q, k, v, causal)
+    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == (B, Hq, Sq)
+    assert_flash_close("out", out, ref, sdpa(q, k, v, causal))
+    assert torch.allclose(lse.double(), ref_lse, atol=1e-4, rtol=1e-5), (lse.double() - ref_lse).abs().max()
+
+
+@pytest.mark.parametrize("layout", ["bshd", "padded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_forward_strided_inputs(request, layout, dtype, causal):
+    g = make_generator(request)
+    q = randn((2, 4, 70, 64), dtype, g, layout=layout)
+    k = randn((2, 2, 90, 64), dtype, g, layout=layout)
+    v = randn((2, 2, 90, 64), dtype, g, layout="bhsd")
+    assert not q.is_contiguous()
+    out = flashcore.attention(q, k, v, is_causal=causal, enable_gqa=True)
+    ref, _ = reference_attention(q, k, v, causal)
+    assert_flash_close("out", out, ref, sdpa(q.contiguous(), k.contiguous(), v, causal))
+    # Same answer as on contiguous copies (the kernel reads strides, it does not assume a layout).
+    out_c = flashcore.attention(q.contiguous(), k.contiguous(), v.contiguous(), is_causal=causal, enable_gqa=True)
+    assert torch.allclose(out, out_c, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+@pytest.mark.parametrize("scale", [0.05, 1.0, 3.0, -0.5])
+def test_forward_custom_scale(request, scale):
+    g = make_generator(request)
+    q, k, v = (randn((1, 2, 40, 32), torch.float32, g) for _ in range(3))
+    out = flashcore.attention(q, k, v, scale=scale)
+    ref, _ = reference_attention(q, k, v, scale=scale)
+    assert_flash_close("out", out, ref, sdpa(q, k, v, scale=scale))
+
+
+def test_forward_3d_inputs(request):
+    g = make_generator(request)
+    q = torch.randn(3, 50, 32, generator=g)
+    k = torch.randn(3, 60, 32, generator=g)
+    v = torch.randn(3, 60, 32, generator=g)
+    out = flashcore.attention(q, k, v, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.shape == (3, 50, 32)
+    assert torch.allclose(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_forward_default_scale_and_is_causal_top_left(request):
+    """Sq != Sk with is_causal: SDPA's top-left alignment (query i sees keys j <= i)."""
+    g = make_generator(request)
+    q = randn((1, 2, 30, 16), torch.float64, g)
+    k = randn((1, 2, 50, 16), torch.float64, g)
+    v = randn((1, 2, 50, 16), torch.float64, g)
+    out = flashcore.attention(q, k, v, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(out, ref, atol=1e-12)
+
+
+@pytest.mark.parametrize("Sq,Sk", [(20, 50), (50, 20), (1, 9), (9, 1)])
+def test_flash_attn_func_bottom_right(request, Sq, Sk):
+    """flash_attn_func: BSHD, causal aligned bottom-right; rows that see no key give 0 (and lse -inf)."""
+    g = make_generator(request)
+    q = torch.randn(2, Sq, 4, 32, generator=g)
+    k = torch.randn(2, Sk, 2, 32, generator=g)
+    v = torch.randn(2, Sk, 2, 32, generator=g)
+    out, lse = flashcore.flash_attn_func(q, k, v, causal=True, return_lse=True)
+    ref, ref_lse = reference_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), True, None, Sk - Sq)
+    assert out.shape == q.shape
+    assert torch.allclose(out.transpose(1, 2).double(), ref, atol=2e-6)
+    empty = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), empty)
+    assert torch.allclose(lse[~empty].double(), ref_lse[~empty], atol=1e-5)
+
+
+def test_forward_large_magnitude_and_one_hot_rows(request):
+    """Scores far outside exp's range must not overflow (the running max), nearly one-hot rows stay exact."""
+    g = make_generator(request)
+    q = randn((1, 2, 64, 32), torch.float32, g, scale=30.0)
+    k = randn((1, 2, 80, 32), torch.float32, g, scale=30.0)
+    v = randn((1, 2, 80, 32), torch.float32, g)
+    out = flashcore.attention(q, k, v)
+    ref, _ = reference_attention(q, k, v)
+    assert torch.isfinite(out).all()
+    assert_flash_close("out", out, ref, sdpa(q, k, v), factor=4.0)
+
+
+def test_forward_deterministic(request):
+    g = make_generator(request)
+    q, k, v = (randn((2, 4, 300, 64), torch.float32, g) for _ in range(3))
+    a = flashcore.attention(q, k, v, is_causal=True)
+    b = flashcore.attention(q, k, v, is_causal=True)
+    assert torch.equal(a, b)
+
+
+def test_portable_isa_path_matches(request, monkeypatch):
+    """The non-AVX2 code path (FLASHCORE_CPU_ISA=portable, read once per process) in a subprocess."""
+    import subprocess
+    import sys
+    import os
+
+    code = (
+        "import torch, flashcore, math\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "q, k, v = (torch.randn(1, 2, 70, 48, generator=g) for _ in range(3))\n"
+        "o = flashcore.attention(q, k, v, is_causal=True)\n"
+        "r = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)\n"
+        "assert torch.allclose(o, r, atol=1e-5), (o - r).abs().max()\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, FLASHCORE_CPU_ISA="portable")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr

@@ -1,0 +1,208 @@
+"""CUDA kernels against the float64 reference and SDPA, run per kernel family (FLASHCORE_FORCE_KERNEL).
+Every test skips with a reason when there is no CUDA device or flashcore was built without CUDA kernels."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import flashcore
+from conftest import assert_flash_close, cuda_skip_reason, make_generator, randn, reference_attention
+
+pytestmark = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
+
+DEV = "cuda"
+
+
+def _families():
+    fams = ["sm80"]
+    if torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0):
+        fams.append("sm90")
+    return fams
+
+
+@pytest.fixture(params=["sm80", "sm90"])
+def family(request, monkeypatch):
+    if request.param not in _families():
+        pytest.skip(f"{request.param} kernels need a compute capability 9.0 GPU")
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", request.param)
+    return request.param
+
+
+def _sdpa_lowp(q, k, v, causal, offset):
+    """PyTorch's own low-precision answer (the error yardstick); bottom-right causal through a boolean mask."""
+    gqa = q.size(1) != k.size(1)
+    if not causal or offset == 0:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
+    Sq, Sk = q.size(2), k.size(2)
+    i = torch.arange(Sq, device=q.device)[:, None]
+    j = torch.arange(Sk, device=q.device)[None, :]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i + offset, enable_gqa=gqa).nan_to_num(0.0)
+
+
+HEAD_DIMS = [32, 40, 64, 80, 96, 128, 136, 192, 256]
+# (B, Hq, Hkv, Sq, Sk)
+SHAPES = [(2, 4, 4, 113, 113), (1, 4, 2, 1000, 777), (1, 2, 1, 1, 300), (1, 2, 2, 257, 64), (1, 2, 2, 7, 2048)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
+def test_forward_grid(request, family, dtype, head_dim, shape, mask):
+    B, Hq, Hkv, Sq, Sk = shape
+    g = make_generator(request, DEV)
+    layout = "bshd" if (head_dim + Sq) % 2 == 0 else "bhsd"
+    q = randn((B, Hq, Sq, head_dim), dtype, g, DEV, layout=layout)
+    k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=layout)
+    v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=layout)
+    causal = mask != "none"
+    offset = Sk - Sq if mask == "bottom_right" else 0
+    out, lse = torch.ops.flashcore.fwd(q, k, v, 1.0 / math.sqrt(head_dim), causal, mask == "bottom_right")
+    ref, ref_lse = reference_attention(q, k, v, causal, None, offset)
+    assert_flash_close("out", out, ref, _sdpa_lowp(q, k, v, causal, offset))
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=2e-3, rtol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_forward_misaligned_and_strided(request, family, dtype, head_dim):
+    """Storage offsets that break 16-byte alignment, padded rows, expanded (zero-stride) K/V heads."""
+    g = make_generator(request, DEV)
+    base = torch.randn(2 * 4 * 300 * head_dim + 3, generator=g, device=DEV).to(dtype)
+    q = base[3:].view(2, 4, 300, head_dim)  # 6-byte offset
+    k = randn((2, 4, 280, head_dim), dtype, g, DEV, layout="padded")
+    v = randn((2, 1, 280, head_dim), dtype, g, DEV).expand(2, 4, 280, head_dim)
+    out = flashcore.attention(q, k, v, is_causal=True)
+    ref, _ = reference_attention(q, k, v, True)
+    assert_flash_close("out", out, ref, F.scaled_dot_product_attention(q, k, v.contiguous(), is_causal=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_large_magnitude_and_one_hot(request, family, dtype):
+    """Scores near fp16's range (|s| up to ~50 after scaling) and nearly one-hot rows."""
+    g = make_generator(request, DEV)
+    q = randn((2, 4, 512, 128), dtype, g, DEV, scale=4.0)
+    k = randn((2, 4, 512, 128), dtype, g, DEV, scale=4.0)
+    v = randn((2, 4, 512, 128), dtype, g, DEV)
+    out = flashcore.attention(q, k, v)
+    ref, _ = reference_attention(q, k, v)
+    assert_flash_close("out", out, ref, F.scaled_dot_product_attention(q, k, v))
+    k2 = k.clone()
+    k2[:, :, 7] = q[:, :, 7] * 3  # row 7 attends almost only to key 7
+    out = flashcore.attention(q, k2, v)
+    ref, _ = reference_attention(q, k2, v)
+    assert_flash_close("out", out, ref, F.scaled_dot_product_attention(q, k2, v))
+
+
+def test_outputs_do_not_depend_on_stale_memory(request, family):
+    """The op allocates its outputs: fill the caching allocator with NaN first, then check every element."""
+    g = make_generator(request, DEV)
+    junk = torch.full((64 << 20,), float("nan"), device=DEV)
+    del junk
+    q, k, v = (randn((3, 5, 333, 96), torch.float16, g, DEV) for _ in range(3))
+    out, lse = torch.ops.flashcore.fwd(q, k, v, 0.1, False)
+    assert torch.isfinite(out).all() and torch.isfinite(lse).all()
+
+
+def test_forward_deterministic_run_to_run(request, family):
+    g = make_generator(request, DEV)
+    q, k, v = (randn((2, 8, 1500, 128), torch.bfloat16, g, DEV) for _ in range(3))
+    a = flashcore.attention(q, k, v, is_causal=True)
+    for _ in range(3):
+        assert torch.equal(a, flashcore.attention(q, k, v, is_causal=True))
+
+
+def test_cuda_graph_capture(request, family):
+    g = make_generator(request, DEV)
+    q, k, v = (randn((2, 4, 256, 64), torch.float16, g, DEV) for _ in range(3))
+    eager = flashcore.attention(q, k, v, is_causal=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flashcore.attention(q, k, v, is_causal=True)  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = flashcore.attention(q, k, v, is_causal=True)
+    q.copy_(randn((2, 4, 256, 64), torch.float16, g, DEV))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static_out, flashcore.attention(q, k, v, is_causal=True))
+    assert not torch.equal(static_out, eager)
+
+
+def test_grid_beyond_65535_blocks(request, family):
+    g = make_generator(request, DEV)
+    q = randn((1, 70000, 16, 64), torch.float16, g, DEV)
+    k = randn((1, 70000, 24, 64), torch.float16, g, DEV)
+    v = randn((1, 70000, 24, 64), torch.float16, g, DEV)
+    out = flashcore.attention(q, k, v)
+    ref = F.scaled_dot_product_attention(q, k, v)
+    assert torch.allclose(out, ref, atol=2e-3, rtol=0)
+
+
+def test_kernel_name_reports_family(monkeypatch):
+    q = torch.randn(1, 2, 64, 128, device=DEV, dtype=torch.float16)
+    monkeypatch.delenv("FLASHCORE_FORCE_KERNEL", raising=False)
+    expected = "sm90" if torch.cuda.get_device_capability() == (9, 0) else "sm80"
+    assert flashcore.fwd_kernel_name(q, q, q) == expected
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", "sm80")
+    assert flashcore.fwd_kernel_name(q, q, q) == "sm80"
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", "nonsense")
+    with pytest.raises(RuntimeError, match="FLASHCORE_FORCE_KERNEL"):
+        flashcore.fwd_kernel_name(q, q, q)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("shape", [(2, 4, 4, 300, 300), (1, 8, 2, 129, 517)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_backward(request, dtype, head_dim, shape, causal):
+    B, Hq, Hkv, Sq, Sk = shape
+    g = make_generator(request, DEV)
+    q = randn((B, Hq, Sq, head_dim), dtype, g, DEV).requires_grad_()
+    k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV).requires_grad_()
+    v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV).requires_grad_()
+    dout = randn((B, Hq, Sq, head_dim), dtype, g, DEV)
+    gqa = Hq != Hkv
+    got = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=causal, enable_gqa=gqa), (q, k, v), dout)
+    lowp = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
+                               (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(reference_attention(q64, k64, v64, causal)[0], (q64, k64, v64), dout.double())
+    for name, a, r, l in zip(("dq", "dk", "dv"), got, ref, lowp):
+        assert_flash_close(name, a, r, l, dtype=dtype, factor=2.5)
+
+
+def test_backward_deterministic_mode(request):
+    g = make_generator(request, DEV)
+    q, k, v = (randn((2, 4, 700, 64), torch.float16, g, DEV).requires_grad_() for _ in range(3))
+    dout = randn((2, 4, 700, 64), torch.float16, g, DEV)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        a = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=True), (q, k, v), dout)
+        b = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=True), (q, k, v), dout)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    for x, y in zip(a, b):
+        assert torch.equal(x, y)
+
+
+def test_compile_on_cuda(request):
+    torch._dynamo.reset()
+    g = make_generator(request, DEV)
+    q, k, v = (randn((2, 4, 128, 64), torch.bfloat16, g, DEV).requires_grad_() for _ in range(3))
+    f = torch.compile(lambda q, k, v: flashcore.attention(q, k, v, is_causal=True).float().square().sum(),
+                      fullgraph=True, backend="aot_eager")
+    loss = f(q, k, v)
+    grads = torch.autograd.grad(loss, (q, k, v))
+    loss_ref = flashcore.attention(q, k, v, is_causal=True).float().square().sum()
+    grads_ref = torch.autograd.grad(loss_ref, (q, k, v))
+    assert torch.allclose(loss, loss_ref)
+    for a, b in zip(grads, grads_ref):
+        assert torch.equal(a, b)
