@@ -29,12 +29,13 @@ cuda::DType to_dtype(at::ScalarType t) { return t == at::kHalf ? cuda::DType::kF
 
 // The kernels read rows with 16-byte loads: the base pointer and every row/head/batch stride must be 16-byte
 // aligned. Any tensor the validation accepts (last dim contiguous, head_dim a multiple of 8) becomes aligned
-// once made contiguous; most callers' tensors already are, and are used in place.
+// once copied into fresh (allocator-aligned) storage; most callers' tensors already are, and are used in place.
+// Not .contiguous(): a contiguous view at an odd storage offset would come back unchanged, still misaligned.
 at::Tensor aligned_for_16b_loads(const at::Tensor& t) {
   const int64_t elems = 16 / t.element_size();
   const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % elems == 0 &&
                        t.stride(1) % elems == 0 && t.stride(2) % elems == 0;
-  return aligned ? t : t.contiguous();
+  return aligned ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
 // FLASHCORE_FORCE_KERNEL=sm80|sm90 forces a family (read per call, so tests can set it at run time).
@@ -44,7 +45,7 @@ std::string forced_family() {
 }
 
 // TMA (the sm90 family's loads) needs positive 16-byte-multiple strides; a tensor that aligned_for_16b_loads
-// would copy is contiguous afterwards, hence compatible.
+// would copy is a fresh contiguous tensor afterwards, hence compatible.
 bool tma_ready(const at::Tensor& t) {
   const int64_t elems = 16 / t.element_size();
   const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % elems == 0 &&

@@ -39,6 +39,20 @@ __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory");
 }
 
+// Pins registers that an in-flight wgmma reads or writes: the compiler sees wgmma.mma_async's operands as used
+// at issue, so without this it could reuse the A-fragment registers, or touch the accumulators, before the
+// wait_group that retires the MMA. Call it right after the wait on every register the MMA used.
+template <int N>
+__device__ __forceinline__ void fence_operand(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void fence_operand(uint32_t (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
+}
+
 // Makes generic-proxy writes to shared memory (st.shared, cp.async) visible to the async proxy (wgmma
 // operands). PTX ISA "Memory consistency model: proxies" and membar/fence (9.7.12.4).
 __device__ __forceinline__ void fence_proxy_async_shared() {

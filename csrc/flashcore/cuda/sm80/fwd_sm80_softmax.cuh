@@ -36,11 +36,11 @@ struct OnlineSoftmax {
     }
   }
 
-  // Folds one tile of scores in: updates the running max, rescales o and row_sum by exp2(old_max - new_max),
-  // and overwrites s with p = exp2(s * scale - new_max).
-  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4],
-                                         const float scale) {
-    float correction[kRows];
+  // Folds one tile of scores in: updates the running max and row_sum, overwrites s with
+  // p = exp2(s * scale - new_max), and returns in `correction` the factor exp2(old_max - new_max) by which o must
+  // still be rescaled (see rescale). Returns whether any row of the warp moved its max (warp-uniform).
+  __device__ __forceinline__ bool step(float (&s)[kMTiles][kNTiles][4], const float scale,
+                                       float (&correction)[kRows]) {
     bool any_moved = false;
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi) {
@@ -66,19 +66,31 @@ struct OnlineSoftmax {
         row_sum[r] = row_sum[r] * correction[r] + sum;
       }
     }
-    // Deferred rescale: once the running maxima settle (most tiles of a long row), no row of the warp moves and
-    // the kDTiles * 4 multiplies on o, which the next P.V MMAs would wait for, are skipped (warp-uniform branch).
-    if (__any_sync(0xffffffffu, any_moved)) {
+    return __any_sync(0xffffffffu, any_moved);
+  }
+
+  // Deferred rescale: once the running maxima settle (most tiles of a long row), no row of the warp moves and
+  // the kDTiles * 4 multiplies on o, which the next P.V MMAs would wait for, are skipped (warp-uniform branch).
+  __device__ __forceinline__ void rescale(float (&o)[kMTiles][kDTiles][4], const float (&correction)[kRows],
+                                          bool moved) {
+    if (!moved) return;
 #pragma unroll
-      for (int mi = 0; mi < kMTiles; ++mi)
+    for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
-        for (int half = 0; half < 2; ++half)
+      for (int half = 0; half < 2; ++half)
 #pragma unroll
-          for (int di = 0; di < kDTiles; ++di) {
-            o[mi][di][2 * half] *= correction[2 * mi + half];
-            o[mi][di][2 * half + 1] *= correction[2 * mi + half];
-          }
-    }
+        for (int di = 0; di < kDTiles; ++di) {
+          o[mi][di][2 * half] *= correction[2 * mi + half];
+          o[mi][di][2 * half + 1] *= correction[2 * mi + half];
+        }
+  }
+
+  // step + rescale, for callers whose o is not in flight in an asynchronous MMA.
+  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4],
+                                         const float scale) {
+    float correction[kRows];
+    const bool moved = step(s, scale, correction);
+    rescale(o, correction, moved);
   }
 
   // Divides o by the row sums and returns each row's log-sum-exp in natural-log units (-inf, with o = 0, for a

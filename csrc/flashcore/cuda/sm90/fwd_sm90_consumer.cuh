@@ -1,7 +1,8 @@
 // Consumer warpgroups of the Hopper forward kernel: the two GEMMs on wgmma, masking and online softmax in
 // registers (shared with the mma.sync family: the wgmma accumulator layout equals the m16n8k16 one), and the
 // epilogue. Each warpgroup owns 64 query rows; the ring stages are released per warp as soon as the wgmma that
-// read them has retired.
+// read them has retired. Within a warpgroup the QK^T of the next tile and the PV of the previous one are in
+// flight while the softmax runs (FlashAttention-3's intra-warpgroup pipelining).
 #pragma once
 
 #include <cstdint>
@@ -54,61 +55,99 @@ __device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock
   for (int di = 0; di < kDTiles; ++di)
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[0][di][e] = 0.f;
+  float(&o_flat)[Traits::kHeadDim / 2] = *reinterpret_cast<float(*)[Traits::kHeadDim / 2]>(&o[0][0][0]);
   sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
   const int frag_row0 = m0 + warp_row0 + (lane >> 2);
   const int frag_col_in_tile = 2 * (lane & 3);
 
-  if (n_blocks > 0) {
-    const bool negative_scale = !(p.scale_log2 > 0.f);
-    const float softmax_scale = negative_scale ? 1.f : p.scale_log2;
-    ptx::mbarrier_wait(smem.q_full, 0);
+  float s[1][kNTiles][4];
+  float(&s_flat)[kBlockN / 2] = *reinterpret_cast<float(*)[kBlockN / 2]>(&s[0][0][0]);
+  uint32_t pa[kBlockN / 16][4];  // P of the previous tile as wgmma A fragments
+  uint32_t(&pa_flat)[kBlockN / 4] = *reinterpret_cast<uint32_t(*)[kBlockN / 4]>(&pa[0][0]);
 
-    for (int it = 0; it < n_blocks; ++it) {
-      const int n_block = n_blocks - 1 - it;
-      const int stage = it % kStages;
-      const uint32_t parity = (it / kStages) & 1;
+  const bool negative_scale = !(p.scale_log2 > 0.f);
+  const float softmax_scale = negative_scale ? 1.f : p.scale_log2;
 
-      float s[1][kNTiles][4];
-      float(&s_flat)[kBlockN / 2] = *reinterpret_cast<float(*)[kBlockN / 2]>(&s[0][0][0]);
-      ptx::mbarrier_wait(&smem.k_full[stage], parity);
-      ptx::wgmma_fence();
+  // S = Q K^T of ring stage `stage`, issued asynchronously.
+  auto issue_qk = [&](int stage) {
+    ptx::wgmma_fence();
 #pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks)
-        MmaQK::ss(s_flat, kmajor_desc(q_addr, kBlockM, wg * 64, ks),
-                  kmajor_desc(k_addr + stage * Traits::kKVBytes, kBlockN, 0, ks), ks > 0);
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-      if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[stage]);
-
-      if (negative_scale) {
+    for (int ks = 0; ks < kKSteps; ++ks)
+      MmaQK::ss(s_flat, kmajor_desc(q_addr, kBlockM, wg * 64, ks),
+                kmajor_desc(k_addr + stage * Traits::kKVBytes, kBlockN, 0, ks), ks > 0);
+    ptx::wgmma_commit();
+  };
+  // O += P V of ring stage `stage`, issued asynchronously.
+  auto issue_pv = [&](int stage) {
+    ptx::wgmma_fence();
 #pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni)
+    for (int kk = 0; kk < kBlockN / 16; ++kk)
+      MmaPV::rs(o_flat, pa[kk], mnmajor_desc(v_addr + stage * Traits::kKVBytes, kBlockN, kk), true);
+    ptx::wgmma_commit();
+  };
+  // Scale, mask and fold the scores of key tile n_block into the running softmax; s becomes P.
+  auto softmax_step = [&](int n_block, float (&correction)[2]) {
+    if (negative_scale) {
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
-      }
-      if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
-        sm80::apply_mask(s, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
-      softmax.update(s, o, softmax_scale);
-
-      // P as wgmma A fragments, all packed before the fence so the MMAs issue back to back.
-      uint32_t pa[kBlockN / 16][4];
+      for (int ni = 0; ni < kNTiles; ++ni)
 #pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        pa[kk][0] = sm80::pack2<Element>(s[0][2 * kk][0], s[0][2 * kk][1]);
-        pa[kk][1] = sm80::pack2<Element>(s[0][2 * kk][2], s[0][2 * kk][3]);
-        pa[kk][2] = sm80::pack2<Element>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-        pa[kk][3] = sm80::pack2<Element>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
-      }
-      float(&o_flat)[Traits::kHeadDim / 2] = *reinterpret_cast<float(*)[Traits::kHeadDim / 2]>(&o[0][0][0]);
-      ptx::mbarrier_wait(&smem.v_full[stage], parity);
-      ptx::wgmma_fence();  // o was rescaled and P written by ordinary instructions
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk)
-        MmaPV::rs(o_flat, pa[kk], mnmajor_desc(v_addr + stage * Traits::kKVBytes, kBlockN, kk), true);
-      ptx::wgmma_commit();
-      ptx::wgmma_wait<0>();
-      if (lane == 0) ptx::mbarrier_arrive(&smem.v_empty[stage]);
+        for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
     }
+    if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
+      sm80::apply_mask(s, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
+    return softmax.step(s, softmax_scale, correction);
+  };
+  auto pack_p = [&] {
+#pragma unroll
+    for (int kk = 0; kk < kBlockN / 16; ++kk) {
+      pa[kk][0] = sm80::pack2<Element>(s[0][2 * kk][0], s[0][2 * kk][1]);
+      pa[kk][1] = sm80::pack2<Element>(s[0][2 * kk][2], s[0][2 * kk][3]);
+      pa[kk][2] = sm80::pack2<Element>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+      pa[kk][3] = sm80::pack2<Element>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+    }
+  };
+
+  if (n_blocks > 0) {
+    ptx::mbarrier_wait(smem.q_full, 0);
+    float correction[2];
+
+    // Tile 0: S, softmax, P (o is still zero: nothing to rescale).
+    ptx::mbarrier_wait(&smem.k_full[0], 0);
+    issue_qk(0);
+    ptx::wgmma_wait<0>();
+    ptx::fence_operand(s_flat);
+    if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[0]);
+    softmax_step(n_blocks - 1, correction);
+    pack_p();
+
+    // Intra-warpgroup overlap: S of tile `it` runs on the tensor cores behind O += P V of tile it - 1, and the
+    // softmax of tile it runs while that P V is still in flight. Only then is o rescaled (it is an operand of
+    // the in-flight MMA until wait_group 0).
+    for (int it = 1; it < n_blocks; ++it) {
+      const int stage = it % kStages, prev = (it - 1) % kStages;
+      ptx::mbarrier_wait(&smem.k_full[stage], (it / kStages) & 1);
+      issue_qk(stage);
+      ptx::mbarrier_wait(&smem.v_full[prev], ((it - 1) / kStages) & 1);
+      issue_pv(prev);
+      ptx::wgmma_wait<1>();  // groups retire in order: S of tile it is ready
+      ptx::fence_operand(s_flat);
+      if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[stage]);
+      const bool moved = softmax_step(n_blocks - 1 - it, correction);
+      ptx::wgmma_wait<0>();  // P V of tile it - 1 has retired: o and pa are free
+      ptx::fence_operand(o_flat);
+      ptx::fence_operand(pa_flat);
+      if (lane == 0) ptx::mbarrier_arrive(&smem.v_empty[prev]);
+      softmax.rescale(o, correction, moved);
+      pack_p();
+    }
+
+    const int last = (n_blocks - 1) % kStages;
+    ptx::mbarrier_wait(&smem.v_full[last], ((n_blocks - 1) / kStages) & 1);
+    issue_pv(last);
+    ptx::wgmma_wait<0>();
+    ptx::fence_operand(o_flat);
+    ptx::fence_operand(pa_flat);
+    if (lane == 0) ptx::mbarrier_arrive(&smem.v_empty[last]);
   }
 
   float lse[2];
