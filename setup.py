@@ -59,7 +59,7 @@ def _gencode_flags(archs):
 
 
 def _instantiation_selected(path, archs, headdims, dtypes):
-    # File names follow csrc/flashcore/cuda/instantiations/fwd_<family>_hdim<D>_<dtype>.cu (see generate.py
+    # File names follow csrc/flashcore/cuda/instantiations/<pass>_<family>_hdim<D>_<dtype>.cu (see generate.py
     # there). The sm90 (wgmma) family exists only in sm_90a code, so it is built only with that target.
     name = os.path.basename(path)
     if name.startswith("fwd_sm90_") and "90a" not in archs:

@@ -157,25 +157,82 @@ def test_kernel_name_reports_family(monkeypatch):
         flashcore.fwd_kernel_name(q, q, q)
 
 
+@pytest.fixture(params=["sm80", "composite"])
+def bwd_path(request, monkeypatch):
+    """The fused mma.sync backward and the composite (ATen) one, each forced."""
+    monkeypatch.setenv("FLASHCORE_FORCE_BWD", request.param)
+    return request.param
+
+
+BWD_HEAD_DIMS = [32, 64, 80, 128, 192, 256]
+# (B, Hq, Hkv, Sq, Sk): equal lengths, GQA with Sq < Sk, one query row, Sq > Sk (rows that see no key when
+# bottom-right aligned)
+BWD_SHAPES = [(2, 4, 4, 300, 300), (1, 8, 2, 129, 517), (1, 2, 1, 1, 77), (2, 3, 3, 200, 17)]
+
+
+def _check_grads(got, q, k, v, dout, causal, offset, dtype):
+    lowp = torch.autograd.grad(_sdpa_lowp(q, k, v, causal, offset), (q, k, v), dout)
+    lowp = [x.nan_to_num(0.0) for x in lowp]  # SDPA: NaN on rows a boolean mask hides entirely
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = torch.autograd.grad(reference_attention(q64, k64, v64, causal, None, offset)[0], (q64, k64, v64),
+                              dout.double())
+    for name, a, r, l in zip(("dq", "dk", "dv"), got, ref, lowp):
+        assert_flash_close(name, a, r, l, dtype=dtype, factor=2.5)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("shape", [(2, 4, 4, 300, 300), (1, 8, 2, 129, 517)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_backward(request, dtype, head_dim, shape, causal):
+@pytest.mark.parametrize("head_dim", BWD_HEAD_DIMS)
+@pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
+def test_backward(request, bwd_path, dtype, head_dim, shape, mask):
     B, Hq, Hkv, Sq, Sk = shape
     g = make_generator(request, DEV)
     q = randn((B, Hq, Sq, head_dim), dtype, g, DEV).requires_grad_()
     k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV).requires_grad_()
     v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV).requires_grad_()
     dout = randn((B, Hq, Sq, head_dim), dtype, g, DEV)
-    gqa = Hq != Hkv
-    got = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=causal, enable_gqa=gqa), (q, k, v), dout)
-    lowp = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa),
-                               (q, k, v), dout)
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    ref = torch.autograd.grad(reference_attention(q64, k64, v64, causal)[0], (q64, k64, v64), dout.double())
+    causal = mask != "none"
+    offset = Sk - Sq if mask == "bottom_right" else 0
+    if mask == "bottom_right":  # flash-attn's API: BSHD views, so the kernels also see non-BHSD strides
+        out = flashcore.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+        out = out.transpose(1, 2)
+    else:
+        out = flashcore.attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    _check_grads(got, q, k, v, dout, causal, offset, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_backward_misaligned_and_strided(request, bwd_path, dtype):
+    """Odd storage offsets, padded rows and zero-stride (expanded) K/V heads reach the backward too."""
+    g = make_generator(request, DEV)
+    D = 64
+    base = torch.randn(2 * 4 * 300 * D + 3, generator=g, device=DEV).to(dtype)
+    q = base[3:].view(2, 4, 300, D).detach().requires_grad_()
+    k = randn((2, 4, 280, D), dtype, g, DEV, layout="padded").detach().requires_grad_()
+    v1 = randn((2, 1, 280, D), dtype, g, DEV).requires_grad_()
+    v = v1.expand(2, 4, 280, D)
+    dout = randn((2, 4, 300, D), dtype, g, DEV).transpose(1, 2).contiguous().transpose(1, 2)  # BSHD strides
+    got = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=True), (q, k, v1), dout)
+    lowp = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v1), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v1))
+    ref = torch.autograd.grad(reference_attention(q64, k64, v64.expand(2, 4, 280, D), True)[0], (q64, k64, v64),
+                              dout.double())
     for name, a, r, l in zip(("dq", "dk", "dv"), got, ref, lowp):
         assert_flash_close(name, a, r, l, dtype=dtype, factor=2.5)
+
+
+def test_backward_large_and_one_hot(request, bwd_path):
+    """Scores near fp16's range, nearly one-hot rows and a long sequence (many key and query blocks)."""
+    g = make_generator(request, DEV)
+    q = randn((1, 4, 2100, 128), torch.float16, g, DEV, scale=3.0).requires_grad_()
+    k = randn((1, 4, 2100, 128), torch.float16, g, DEV, scale=3.0)
+    k[:, :, 7] = q.detach()[:, :, 7] * 2
+    k.requires_grad_()
+    v = randn((1, 4, 2100, 128), torch.float16, g, DEV).requires_grad_()
+    dout = randn((1, 4, 2100, 128), torch.float16, g, DEV)
+    got = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=True), (q, k, v), dout)
+    _check_grads(got, q, k, v, dout, True, 0, torch.float16)
 
 
 def test_backward_deterministic_mode(request):
@@ -204,5 +261,5 @@ def test_compile_on_cuda(request):
     loss_ref = flashcore.attention(q, k, v, is_causal=True).float().square().sum()
     grads_ref = torch.autograd.grad(loss_ref, (q, k, v))
     assert torch.allclose(loss, loss_ref)
-    for a, b in zip(grads, grads_ref):
-        assert torch.equal(a, b)
+    for a, b in zip(grads, grads_ref):  # dQ is summed with atomics: equal up to summation order
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()

@@ -1,7 +1,8 @@
 // CUDA dispatch-key implementations of the flashcore ops: shared validation (attention_host.h), the CUDA rules
 // (fp16/bf16, head dims multiple of 8 up to 256, compute capability 8.0+), kernel selection, launch on the
-// current stream. No allocation beyond the outputs (and a copy of an input only when its alignment forbids
-// 16-byte loads), so the ops can be captured in CUDA graphs.
+// current stream. No allocation beyond the outputs, the backward's fp32 workspaces (dQ accumulator, row sums) and a
+// copy of an input only when its alignment forbids 16-byte loads, all from the caching allocator, so the ops can be
+// captured in CUDA graphs.
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -14,7 +15,8 @@
 
 #include "../attention_host.h"
 #include "bwd_composite_cuda.h"
-#include "fwd_registry.h"
+#include "bwd_preprocess.cuh"
+#include "kernel_registry.h"
 #include "sm90/tma_desc.h"
 
 namespace flashcore {
@@ -135,6 +137,27 @@ std::string fwd_kernel_name_cuda(const at::Tensor& query, const at::Tensor& key,
   return select_family(query, key, value);
 }
 
+// The fused backward (mma.sync, every arch) runs when its head-dim tile was compiled, the device grants its shared
+// memory (sm_86/sm_89 do not, above head dim 96) and its grids fit; deterministic gradients go to the composite
+// backward, since the fused kernel sums dQ with atomics whose order varies. FLASHCORE_FORCE_BWD=composite forces
+// the composite path (tests, ablations).
+const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& query, const at::Tensor& key, bool deterministic) {
+  const char* env = std::getenv("FLASHCORE_FORCE_BWD");
+  const std::string forced = env ? std::string(env) : std::string();
+  TORCH_CHECK(forced.empty() || forced == "composite" || forced == "sm80", "flashcore: FLASHCORE_FORCE_BWD=",
+              forced, " is not a backward path (composite, sm80)");
+  if (deterministic || forced == "composite") return nullptr;
+  const cuda::BwdKernelEntry* entry = cuda::find_bwd_kernel("sm80", (int)query.size(3), to_dtype(query.scalar_type()));
+  if (entry == nullptr) return nullptr;
+  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.device().index());
+  if ((int64_t)prop->sharedMemPerBlockOptin < entry->smem_bytes) return nullptr;
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  const int64_t rows = query.size(0) * query.size(1) * query.size(2);
+  const int64_t key_blocks = (key.size(2) + 63) / 64;
+  if (rows / 8 + 1 > kIntMax || key_blocks * key.size(0) * key.size(1) > kIntMax) return nullptr;
+  return entry;
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_out, const at::Tensor& query,
                                                         const at::Tensor& key, const at::Tensor& value,
                                                         const at::Tensor& out, const at::Tensor& lse,
@@ -149,8 +172,25 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   at::Tensor grad_value = at::empty_like(value);
   const BwdParams p = make_bwd_params(grad_out, query, key, value, out, lse, grad_query, grad_key, grad_value,
                                       opts, deterministic);
-  if (!bwd_is_trivial(p, grad_query, grad_key, grad_value))
+  if (bwd_is_trivial(p, grad_query, grad_key, grad_value)) return {grad_query, grad_key, grad_value};
+
+  const cuda::BwdKernelEntry* kernel = select_bwd_kernel(query, key, deterministic);
+  if (kernel == nullptr) {
     cuda::bwd_composite(grad_out, query, key, value, out, lse, p, grad_query, grad_key, grad_value);
+    return {grad_query, grad_key, grad_value};
+  }
+  // grad_key/grad_value are fresh (empty_like), hence 16-byte aligned; the inputs may need a copy.
+  const at::Tensor q = aligned_for_16b_loads(query), k = aligned_for_16b_loads(key);
+  const at::Tensor v = aligned_for_16b_loads(value), o = aligned_for_16b_loads(out);
+  const at::Tensor dout = aligned_for_16b_loads(grad_out);
+  const BwdParams pk = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
+  const auto f32 = query.options().dtype(at::kFloat);
+  at::Tensor dsum = at::empty({query.size(0), query.size(1), query.size(2)}, f32);
+  at::Tensor dq_accum = at::zeros({query.size(0), query.size(1), query.size(2), query.size(3)}, f32);
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  cuda::launch_bwd_dsum(pk, query.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), stream);
+  kernel->launch(pk, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
+  grad_query.copy_(dq_accum);
   return {grad_query, grad_key, grad_value};
 }
 

@@ -1,0 +1,47 @@
+// Registry of compiled kernels. Each instantiation file (instantiations/*.cu) registers its launcher at load
+// time, so a build that compiles a subset of head dims/dtypes (FLASHCORE_HEADDIMS, FLASHCORE_DTYPES) still links,
+// and the dispatcher can say precisely what is missing.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <string>
+
+#include "../params.h"
+
+namespace flashcore::cuda {
+
+enum class DType { kFp16, kBf16 };
+
+using FwdLaunchFn = void (*)(const FwdParams&, cudaStream_t);
+// dsum: (batch * heads_q * seqlen_q) fp32 rowsum(dO * O) from the pre-pass; dq_accum: (batch * heads_q *
+// seqlen_q * head_dim) fp32, zeroed, receives dQ (already multiplied by the softmax scale).
+using BwdLaunchFn = void (*)(const BwdParams&, const float* dsum, float* dq_accum, cudaStream_t);
+
+struct FwdKernelEntry {
+  const char* family;  // "sm80" (mma.sync, sm_80..sm_90), "sm90" (wgmma, sm_90a)
+  int head_dim_tile;   // head dims up to this are padded to it
+  DType dtype;
+  FwdLaunchFn launch;
+};
+
+struct BwdKernelEntry {
+  const char* family;
+  int head_dim_tile;
+  DType dtype;
+  int smem_bytes;  // dynamic shared memory a block needs: the dispatcher checks it against the device's limit
+  BwdLaunchFn launch;
+};
+
+// Return true so that they can initialize a namespace-scope constant in an instantiation file.
+bool register_fwd_kernel(const FwdKernelEntry& entry);
+bool register_bwd_kernel(const BwdKernelEntry& entry);
+
+// The entry of `family` with the smallest head-dim tile >= head_dim for dtype, or nullptr.
+const FwdKernelEntry* find_fwd_kernel(const char* family, int head_dim, DType dtype);
+const BwdKernelEntry* find_bwd_kernel(const char* family, int head_dim, DType dtype);
+
+// "32, 64, 128" style list of the forward tiles compiled for family/dtype, for error messages.
+std::string compiled_head_dim_tiles(const char* family, DType dtype);
+
+}  // namespace flashcore::cuda

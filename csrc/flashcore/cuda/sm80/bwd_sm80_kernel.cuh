@@ -1,0 +1,228 @@
+// FlashAttention-2 backward on mma.sync (sm_80 .. sm_90): one block per (key block, batch, kv head).
+//
+// The block keeps its K and V tiles in shared memory and its dK, dV accumulators in registers while it walks
+// every query block that can see its keys, for every query head of its group (so GQA's sum over the group
+// happens in registers, and dK/dV are written once, without atomics). Per query block:
+//   S  = Q K^T,  dP = dO V^T                      (warps: 4 along queries x kColWarps along keys)
+//   P  = exp2(S * scale_log2 - lse_log2)           (recomputed from the forward's LSE; masked entries -> 0)
+//   dS = P * (dP - rowsum(dO * O))                 (P and dS go to shared memory, as Element)
+//   dV += P^T dO,  dK += dS^T Q                    (warps: kKVWarpsN along keys x kKVWarpsD along head dim)
+//   dQ += scale * dS K                             (warps: 4 along queries x kColWarps along head dim), added to a
+//                                                   fp32 workspace with atomics (the only cross-block traffic)
+// No seqlen_q x seqlen_k buffer exists; the memory beyond the gradients is dq_accum and two fp32 rows per query.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../../params.h"
+#include "../ptx/cp_async.cuh"
+#include "bwd_sm80_config.cuh"
+#include "bwd_sm80_gemm.cuh"
+#include "fwd_sm80_mainloop.cuh"  // pack2
+#include "fwd_sm80_mask.cuh"
+#include "tile_io.cuh"
+
+namespace flashcore::sm80 {
+
+// dst[0] += a, dst[1] += b in global memory (dst 8-byte aligned); one vector reduction on sm_90, which has them.
+__device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  atomicAdd(reinterpret_cast<float2*>(dst), make_float2(a, b));
+#else
+  atomicAdd(dst, a);
+  atomicAdd(dst + 1, b);
+#endif
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
+    bwd_sm80_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_accum,
+                    int num_n_blocks) {
+  using Element = typename Traits::Element;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  using PTile = typename Traits::PTile;
+  constexpr int kBlockM = Traits::kBlockM;
+  constexpr int kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages;
+  constexpr int kNThreads = Traits::kNThreads;
+  constexpr int kSNT = Traits::kSNTiles;
+  constexpr int kQDT = Traits::kQDTiles;
+  constexpr int kKVDT = Traits::kKVDTiles;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Element* smem = reinterpret_cast<Element*>(smem_raw);
+  Element* sQ = smem + Traits::kQOffset;
+  Element* sdO = smem + Traits::kDoOffset;
+  Element* sK = smem + Traits::kKOffset;
+  Element* sV = smem + Traits::kVOffset;
+  Element* sP = smem + Traits::kPOffset;
+  Element* sdS = smem + Traits::kDsOffset;
+  float* sLse = reinterpret_cast<float*>(smem + Traits::kElementsEnd);
+  float* sDsum = sLse + kStages * kBlockM;
+
+  const int tid = threadIdx.x;
+  const int lane = tid & 31;
+  const int warp = tid >> 5;
+  const int wm = warp % Traits::kRowWarps;   // S, dP, dQ: 16 query rows
+  const int wc = warp / Traits::kRowWarps;   // S, dP: kSCols keys; dQ: kQDims dims
+  const int wk = warp % Traits::kKVWarpsN;   // dK, dV: 16 keys
+  const int wkd = warp / Traits::kKVWarpsN;  // dK, dV: kKVDims dims
+  const int g = lane >> 2, t = lane & 3;
+
+  // Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first.
+  const int n_block = (int)(blockIdx.x % num_n_blocks);
+  const int64_t bhkv = blockIdx.x / num_n_blocks;
+  const int64_t b = bhkv / p.heads_kv;
+  const int64_t h_kv = bhkv % p.heads_kv;
+  const int n0 = n_block * kBlockN;
+  const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+
+  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head;
+  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head;
+  load_tile_async<KVTile, kNThreads>(sK, k, p.k_stride.seq, n0, seqlen_k, head_dim);
+  load_tile_async<KVTile, kNThreads>(sV, v, p.v_stride.seq, n0, seqlen_k, head_dim);
+
+  // Query blocks that see at least one key of this block: with a causal mask, rows i >= n0 - causal_offset.
+  const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+  int m_begin = 0;
+  if (p.causal) {
+    const int64_t first_row = (int64_t)n0 - p.causal_offset;
+    m_begin = first_row <= 0 ? 0 : (int)(first_row / kBlockM < num_m_blocks ? first_row / kBlockM : num_m_blocks);
+  }
+  const int m_count = num_m_blocks - m_begin;
+  const int total = (int)p.group * m_count;  // iterations: (query head of the group, query block)
+
+  // Issues the cp.async loads of iteration `it` (Q and dO tiles) into `stage`, and writes its per-row LSE (log2
+  // units; +inf for rows past the end and for rows that saw no key, so their P is exactly 0) and dsum.
+  auto load_query_block = [&](int it, int stage) {
+    const int64_t h = h_kv * p.group + it / m_count;
+    const int m0 = (m_begin + it % m_count) * kBlockM;
+    const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
+    const Element* dout = static_cast<const Element*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
+    load_tile_async<QTile, kNThreads>(sQ + stage * QTile::kElems, q, p.q_stride.seq, m0, seqlen_q, head_dim);
+    load_tile_async<QTile, kNThreads>(sdO + stage * QTile::kElems, dout, p.dout_stride.seq, m0, seqlen_q, head_dim);
+    if (tid < kBlockM) {
+      const int row = m0 + tid;
+      const int64_t idx = (b * p.heads_q + h) * p.seqlen_q + row;
+      float lse2 = INFINITY, d = 0.f;
+      if (row < seqlen_q) {
+        const float l = p.lse[idx];
+        lse2 = l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+        d = dsum[idx];
+      }
+      sLse[stage * kBlockM + tid] = lse2;
+      sDsum[stage * kBlockM + tid] = d;
+    }
+  };
+
+  float dk[kKVDT][4], dv[kKVDT][4];
+  zero(dk);
+  zero(dv);
+
+  if (total > 0) load_query_block(0, 0);
+  ptx::cp_async_commit();
+
+  for (int it = 0; it < total; ++it) {
+    const int stage = kStages == 2 ? (it & 1) : 0;
+    if constexpr (kStages == 2) {
+      if (it + 1 < total) load_query_block(it + 1, stage ^ 1);
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<1>();  // everything but the block just issued has landed
+    } else {
+      if (it > 0) {
+        load_query_block(it, 0);
+        ptx::cp_async_commit();
+      }
+      ptx::cp_async_wait<0>();
+    }
+    __syncthreads();
+
+    const int64_t h = h_kv * p.group + it / m_count;
+    const int m0 = (m_begin + it % m_count) * kBlockM;
+    const Element* sQs = sQ + stage * QTile::kElems;
+    const Element* sdOs = sdO + stage * QTile::kElems;
+
+    // S and dP for rows wm*16.. and keys wc*kSCols.. of the block.
+    float s[1][kSNT][4], dp[kSNT][4];
+    warp_gemm_abt<QTile, KVTile, kSNT, Traits::kHeadDim / 16>(s[0], sQs, wm * 16, sK, wc * Traits::kSCols, lane);
+    warp_gemm_abt<QTile, KVTile, kSNT, Traits::kHeadDim / 16>(dp, sdOs, wm * 16, sV, wc * Traits::kSCols, lane);
+
+    const int r_lo = wm * 16 + g;  // block rows of this thread's accumulator halves: r_lo, r_lo + 8
+    const float lse_lo = sLse[stage * kBlockM + r_lo], lse_hi = sLse[stage * kBlockM + r_lo + 8];
+    const float d_lo = sDsum[stage * kBlockM + r_lo], d_hi = sDsum[stage * kBlockM + r_lo + 8];
+#pragma unroll
+    for (int ni = 0; ni < kSNT; ++ni) {
+      s[0][ni][0] = s[0][ni][0] * p.scale_log2 - lse_lo;
+      s[0][ni][1] = s[0][ni][1] * p.scale_log2 - lse_lo;
+      s[0][ni][2] = s[0][ni][2] * p.scale_log2 - lse_hi;
+      s[0][ni][3] = s[0][ni][3] * p.scale_log2 - lse_hi;
+    }
+    // Masked after scaling, so that a negative scale cannot turn a -inf score into +inf.
+    const int64_t tile_end = (int64_t)n0 + kBlockN;
+    if (tile_end > seqlen_k || (p.causal && tile_end > (int64_t)m0 + p.causal_offset + 1))
+      apply_mask(s, m0 + r_lo, n0 + wc * Traits::kSCols + 2 * t, seqlen_k, p.causal, p.causal_offset);
+#pragma unroll
+    for (int ni = 0; ni < kSNT; ++ni) {
+      const int col = wc * Traits::kSCols + ni * 8 + 2 * t;
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const float p0 = exp2f(s[0][ni][2 * half]), p1 = exp2f(s[0][ni][2 * half + 1]);
+        const float d = half ? d_hi : d_lo;
+        const int row = r_lo + 8 * half;
+        *reinterpret_cast<uint32_t*>(sP + PTile::elem_offset(row, col)) = pack2<Element>(p0, p1);
+        *reinterpret_cast<uint32_t*>(sdS + PTile::elem_offset(row, col)) =
+            pack2<Element>(p0 * (dp[ni][2 * half] - d), p1 * (dp[ni][2 * half + 1] - d));
+      }
+    }
+    __syncthreads();
+
+    // dV += P^T dO and dK += dS^T Q for keys wk*16.. and dims wkd*kKVDims.. (k = the block's query rows).
+    warp_gemm_atb<PTile, QTile, kKVDT, kBlockM / 16>(dv, sP, wk * 16, sdOs, wkd * Traits::kKVDims, lane);
+    warp_gemm_atb<PTile, QTile, kKVDT, kBlockM / 16>(dk, sdS, wk * 16, sQs, wkd * Traits::kKVDims, lane);
+
+    // dQ (rows wm*16.., dims wc*kQDims..) of this key block, added to the fp32 workspace.
+    float dq[kQDT][4];
+    warp_gemm_ab<PTile, KVTile, kQDT, kBlockN / 16>(dq, sdS, wm * 16, sK, wc * Traits::kQDims, lane);
+    float* dq_rows = dq_accum + ((b * p.heads_q + h) * p.seqlen_q) * p.head_dim;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = m0 + r_lo + 8 * half;
+      if (row < seqlen_q) {
+        float* dst = dq_rows + (int64_t)row * head_dim;
+#pragma unroll
+        for (int di = 0; di < kQDT; ++di) {
+          const int col = wc * Traits::kQDims + di * 8 + 2 * t;
+          if (col < head_dim) {  // head_dim is a multiple of 8, so col + 1 < head_dim too
+            atomic_add_pair(dst + col, dq[di][2 * half] * p.scale, dq[di][2 * half + 1] * p.scale);
+          }
+        }
+      }
+    }
+    __syncthreads();  // the next iteration overwrites sP, sdS and (with one stage) Q, dO
+  }
+
+  // Epilogue: dK (scaled) and dV through the K and V tiles, so the global stores are 16 bytes wide.
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int row = wk * 16 + g + 8 * half;
+#pragma unroll
+    for (int di = 0; di < kKVDT; ++di) {
+      const int col = wkd * Traits::kKVDims + di * 8 + 2 * t;
+      *reinterpret_cast<uint32_t*>(sK + KVTile::elem_offset(row, col)) =
+          pack2<Element>(dk[di][2 * half] * p.scale, dk[di][2 * half + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(sV + KVTile::elem_offset(row, col)) =
+          pack2<Element>(dv[di][2 * half], dv[di][2 * half + 1]);
+    }
+  }
+  __syncthreads();
+  Element* dk_out = static_cast<Element*>(p.dk) + b * p.dk_stride.batch + h_kv * p.dk_stride.head;
+  Element* dv_out = static_cast<Element*>(p.dv) + b * p.dv_stride.batch + h_kv * p.dv_stride.head;
+  store_tile<KVTile, kNThreads>(sK, dk_out, p.dk_stride.seq, n0, seqlen_k, head_dim);
+  store_tile<KVTile, kNThreads>(sV, dv_out, p.dv_stride.seq, n0, seqlen_k, head_dim);
+}
+
+}  // namespace flashcore::sm80

@@ -1,0 +1,37 @@
+// Host-side launch of the mma.sync backward kernel for one (head-dim tile, dtype), included by the instantiation
+// files only.
+#pragma once
+
+#include <c10/cuda/CUDAException.h>
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "../../params.h"
+#include "../launch_utils.cuh"
+#include "bwd_sm80_kernel.cuh"
+
+namespace flashcore::sm80 {
+
+template <int kHeadDim, typename Element>
+constexpr int bwd_smem_bytes() {
+  return BwdKernelTraits<kHeadDim, Element>::kSmemBytes;
+}
+
+template <int kHeadDim, typename Element>
+void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
+  using Traits = BwdKernelTraits<kHeadDim, Element>;
+  auto kernel = &bwd_sm80_kernel<Traits>;
+  constexpr int kSmem = Traits::kSmemBytes;
+
+  static std::atomic<uint64_t> configured_devices{0};
+  cuda::set_max_dynamic_smem_once(kernel, kSmem, configured_devices);
+
+  const int num_n_blocks = (int)((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
+  const int64_t grid = (int64_t)num_n_blocks * p.batch * p.heads_kv;  // host checked grid <= INT32_MAX
+  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, dsum, dq_accum, num_n_blocks);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace flashcore::sm80
