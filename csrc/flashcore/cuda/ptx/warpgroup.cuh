@@ -24,4 +24,10 @@ __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Signals hardware barrier `id` without waiting: the barrier completes when `threads` threads have arrived or
+// synced on it (bar.arrive, same section).
+__device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 }  // namespace flashcore::ptx

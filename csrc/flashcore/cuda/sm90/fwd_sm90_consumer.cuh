@@ -2,7 +2,8 @@
 // registers (shared with the mma.sync family: the wgmma accumulator layout equals the m16n8k16 one), and the
 // epilogue. Each warpgroup owns 64 query rows; the ring stages are released per warp as soon as the wgmma that
 // read them has retired. Within a warpgroup the QK^T of the next tile and the PV of the previous one are in
-// flight while the softmax runs (FlashAttention-3's intra-warpgroup pipelining).
+// flight while the softmax runs (FlashAttention-3's intra-warpgroup pipelining), and the warpgroups take turns to
+// issue their GEMMs (ping-pong, fwd_sm90_issue_turns.cuh).
 #pragma once
 
 #include <cstdint>
@@ -14,6 +15,7 @@
 #include "../sm80/fwd_sm80_mainloop.cuh"
 #include "../sm80/fwd_sm80_mask.cuh"
 #include "../sm80/fwd_sm80_softmax.cuh"
+#include "fwd_sm90_issue_turns.cuh"
 #include "fwd_sm90_traits.cuh"
 
 namespace flashcore::sm90 {
@@ -111,9 +113,17 @@ __device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock
     ptx::mbarrier_wait(smem.q_full, 0);
     float correction[2];
 
+#ifdef FLASHCORE_SM90_NO_PINGPONG  // ablation builds only
+    IssueTurns<1> turns(0, n_blocks + 1);
+#else
+    IssueTurns<Traits::kWarpgroups> turns(wg, n_blocks + 1);
+#endif
+
     // Tile 0: S, softmax, P (o is still zero: nothing to rescale).
+    turns.begin();
     ptx::mbarrier_wait(&smem.k_full[0], 0);
     issue_qk(0);
+    turns.end();
     ptx::wgmma_wait<0>();
     ptx::fence_operand(s_flat);
     if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[0]);
@@ -125,10 +135,12 @@ __device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock
     // the in-flight MMA until wait_group 0).
     for (int it = 1; it < n_blocks; ++it) {
       const int stage = it % kStages, prev = (it - 1) % kStages;
+      turns.begin();
       ptx::mbarrier_wait(&smem.k_full[stage], (it / kStages) & 1);
       issue_qk(stage);
       ptx::mbarrier_wait(&smem.v_full[prev], ((it - 1) / kStages) & 1);
       issue_pv(prev);
+      turns.end();
       ptx::wgmma_wait<1>();  // groups retire in order: S of tile it is ready
       ptx::fence_operand(s_flat);
       if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[stage]);
@@ -142,8 +154,10 @@ __device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock
     }
 
     const int last = (n_blocks - 1) % kStages;
+    turns.begin();
     ptx::mbarrier_wait(&smem.v_full[last], ((n_blocks - 1) / kStages) & 1);
     issue_pv(last);
+    turns.end();
     ptx::wgmma_wait<0>();
     ptx::fence_operand(o_flat);
     ptx::fence_operand(pa_flat);
