@@ -186,11 +186,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   const BwdParams pk = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
   const auto f32 = query.options().dtype(at::kFloat);
   at::Tensor dsum = at::empty({query.size(0), query.size(1), query.size(2)}, f32);
-  at::Tensor dq_accum = at::zeros({query.size(0), query.size(1), query.size(2), query.size(3)}, f32);
+  const int64_t rows = (query.size(2) + kernel->block_m - 1) / kernel->block_m * kernel->block_m;
+  at::Tensor dq_accum = at::zeros({query.size(0), query.size(1), rows, kernel->head_dim_tile}, f32);
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cuda::launch_bwd_dsum(pk, query.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), stream);
   kernel->launch(pk, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
-  grad_query.copy_(dq_accum);
+  grad_query.copy_(dq_accum.narrow(2, 0, query.size(2)).narrow(3, 0, query.size(3)));
   return {grad_query, grad_key, grad_value};
 }
 

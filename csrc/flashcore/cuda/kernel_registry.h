@@ -14,8 +14,9 @@ namespace flashcore::cuda {
 enum class DType { kFp16, kBf16 };
 
 using FwdLaunchFn = void (*)(const FwdParams&, cudaStream_t);
-// dsum: (batch * heads_q * seqlen_q) fp32 rowsum(dO * O) from the pre-pass; dq_accum: (batch * heads_q *
-// seqlen_q * head_dim) fp32, zeroed, receives dQ (already multiplied by the softmax scale).
+// dsum: (batch * heads_q * seqlen_q) fp32 rowsum(dO * O) from the pre-pass; dq_accum: (batch * heads_q,
+// seqlen_q rounded up to block_m, head_dim_tile) fp32, zeroed, receives dQ (already multiplied by the softmax
+// scale); padded so that every query block's dQ tile is one contiguous range.
 using BwdLaunchFn = void (*)(const BwdParams&, const float* dsum, float* dq_accum, cudaStream_t);
 
 struct FwdKernelEntry {
@@ -30,6 +31,7 @@ struct BwdKernelEntry {
   int head_dim_tile;
   DType dtype;
   int smem_bytes;  // dynamic shared memory a block needs: the dispatcher checks it against the device's limit
+  int block_m;     // query rows per tile: dq_accum's row padding
   BwdLaunchFn launch;
 };
 

@@ -53,12 +53,6 @@ __device__ __forceinline__ void fence_operand(uint32_t (&r)[N]) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i])::"memory");
 }
 
-// Makes generic-proxy writes to shared memory (st.shared, cp.async) visible to the async proxy (wgmma
-// operands). PTX ISA "Memory consistency model: proxies" and membar/fence (9.7.12.4).
-__device__ __forceinline__ void fence_proxy_async_shared() {
-  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-}
-
 template <typename Element, int N>
 struct Wgmma;
 

@@ -66,11 +66,10 @@ struct BwdKernelTraits {
   using KVTile = SmemTile<kBlockN, kHeadDim>;  // K and V: rows = keys
   using PTile = SmemTile<kBlockM, kBlockN>;    // P and dS: rows = queries, cols = keys
 
-  // Shared memory, in elements of Element from the base: [Q x kStages][dO x kStages][K][V][P][dS], then fp32
+  // Shared memory, in elements of Element from the base: kStages x [Q][dO], then [K][V][P][dS], then fp32
   // [lse x kStages][dsum x kStages] (per query row of the block: log2-domain LSE and rowsum(dO * O)).
-  static constexpr int kQOffset = 0;
-  static constexpr int kDoOffset = kQOffset + kStages * QTile::kElems;
-  static constexpr int kKOffset = kDoOffset + kStages * QTile::kElems;
+  static constexpr int kStageElems = 2 * QTile::kElems;
+  static constexpr int kKOffset = kStages * kStageElems;
   static constexpr int kVOffset = kKOffset + KVTile::kElems;
   static constexpr int kPOffset = kVOffset + KVTile::kElems;
   static constexpr int kDsOffset = kPOffset + PTile::kElems;

@@ -8,7 +8,11 @@
 //   dS = P * (dP - rowsum(dO * O))                 (P and dS go to shared memory, as Element)
 //   dV += P^T dO,  dK += dS^T Q                    (warps: kKVWarpsN along keys x kKVWarpsD along head dim)
 //   dQ += scale * dS K                             (warps: 4 along queries x kColWarps along head dim), added to a
-//                                                   fp32 workspace with atomics (the only cross-block traffic)
+//                                                   fp32 workspace with atomics (the only cross-block traffic;
+//                                                   pairs of floats per instruction on sm_90)
+// dq_accum is (batch * heads_q, query blocks * kBlockM, kHeadDim) fp32. A variant that staged each dQ tile in
+// shared memory and added it with one bulk reduction (cp.reduce.async.bulk) measured the same as the paired
+// atomics (211 vs 209 TFLOP/s at head dim 128) and was dropped (docs/PERFORMANCE.md).
 // No seqlen_q x seqlen_k buffer exists; the memory beyond the gradients is dq_accum and two fp32 rows per query.
 #pragma once
 
@@ -53,8 +57,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   Element* smem = reinterpret_cast<Element*>(smem_raw);
-  Element* sQ = smem + Traits::kQOffset;
-  Element* sdO = smem + Traits::kDoOffset;
   Element* sK = smem + Traits::kKOffset;
   Element* sV = smem + Traits::kVOffset;
   Element* sP = smem + Traits::kPOffset;
@@ -78,6 +80,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int64_t h_kv = bhkv % p.heads_kv;
   const int n0 = n_block * kBlockN;
   const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+  auto stage_q = [&](int stage) { return smem + stage * Traits::kStageElems; };
+  auto stage_do = [&](int stage) { return smem + stage * Traits::kStageElems + QTile::kElems; };
 
   const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head;
   const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head;
@@ -101,8 +105,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int m0 = (m_begin + it % m_count) * kBlockM;
     const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
     const Element* dout = static_cast<const Element*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
-    load_tile_async<QTile, kNThreads>(sQ + stage * QTile::kElems, q, p.q_stride.seq, m0, seqlen_q, head_dim);
-    load_tile_async<QTile, kNThreads>(sdO + stage * QTile::kElems, dout, p.dout_stride.seq, m0, seqlen_q, head_dim);
+    load_tile_async<QTile, kNThreads>(stage_q(stage), q, p.q_stride.seq, m0, seqlen_q, head_dim);
+    load_tile_async<QTile, kNThreads>(stage_do(stage), dout, p.dout_stride.seq, m0, seqlen_q, head_dim);
     if (tid < kBlockM) {
       const int row = m0 + tid;
       const int64_t idx = (b * p.heads_q + h) * p.seqlen_q + row;
@@ -123,26 +127,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 
   if (total > 0) load_query_block(0, 0);
   ptx::cp_async_commit();
+  const int64_t dq_rows_per_head = (int64_t)num_m_blocks * kBlockM;
 
+  // Schedule per iteration (two stages): wait for this block's Q/dO -> S, dP, P, dS -> barrier -> prefetch the
+  // next block's Q/dO into the other stage (free: every warp is past its last reads) -> dV, dK, dQ -> dQ atomics.
+  // Two barriers an iteration. With one stage the next block's loads wait for the top of the next iteration.
   for (int it = 0; it < total; ++it) {
     const int stage = kStages == 2 ? (it & 1) : 0;
-    if constexpr (kStages == 2) {
-      if (it + 1 < total) load_query_block(it + 1, stage ^ 1);
+    if (kStages == 1 && it > 0) {
+      __syncthreads();  // every warp is done with the stage
+      load_query_block(it, 0);
       ptx::cp_async_commit();
-      ptx::cp_async_wait<1>();  // everything but the block just issued has landed
-    } else {
-      if (it > 0) {
-        load_query_block(it, 0);
-        ptx::cp_async_commit();
-      }
-      ptx::cp_async_wait<0>();
     }
+    ptx::cp_async_wait<0>();
     __syncthreads();
 
     const int64_t h = h_kv * p.group + it / m_count;
     const int m0 = (m_begin + it % m_count) * kBlockM;
-    const Element* sQs = sQ + stage * QTile::kElems;
-    const Element* sdOs = sdO + stage * QTile::kElems;
+    const Element* sQs = stage_q(stage);
+    const Element* sdOs = stage_do(stage);
 
     // S and dP for rows wm*16.. and keys wc*kSCols.. of the block.
     float s[1][kSNT][4], dp[kSNT][4];
@@ -177,6 +180,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       }
     }
     __syncthreads();
+    if (kStages == 2 && it + 1 < total) {
+      load_query_block(it + 1, stage ^ 1);
+      ptx::cp_async_commit();
+    }
 
     // dV += P^T dO and dK += dS^T Q for keys wk*16.. and dims wkd*kKVDims.. (k = the block's query rows).
     warp_gemm_atb<PTile, QTile, kKVDT, kBlockM / 16>(dv, sP, wk * 16, sdOs, wkd * Traits::kKVDims, lane);
@@ -185,22 +192,18 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // dQ (rows wm*16.., dims wc*kQDims..) of this key block, added to the fp32 workspace.
     float dq[kQDT][4];
     warp_gemm_ab<PTile, KVTile, kQDT, kBlockN / 16>(dq, sdS, wm * 16, sK, wc * Traits::kQDims, lane);
-    float* dq_rows = dq_accum + ((b * p.heads_q + h) * p.seqlen_q) * p.head_dim;
+    float* dq_tile = dq_accum + ((b * p.heads_q + h) * dq_rows_per_head + m0) * Traits::kHeadDim;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int row = m0 + r_lo + 8 * half;
-      if (row < seqlen_q) {
-        float* dst = dq_rows + (int64_t)row * head_dim;
+      if (m0 + r_lo + 8 * half < seqlen_q) {
+        float* dst = dq_tile + (r_lo + 8 * half) * Traits::kHeadDim;
 #pragma unroll
         for (int di = 0; di < kQDT; ++di) {
           const int col = wc * Traits::kQDims + di * 8 + 2 * t;
-          if (col < head_dim) {  // head_dim is a multiple of 8, so col + 1 < head_dim too
-            atomic_add_pair(dst + col, dq[di][2 * half] * p.scale, dq[di][2 * half + 1] * p.scale);
-          }
+          atomic_add_pair(dst + col, dq[di][2 * half] * p.scale, dq[di][2 * half + 1] * p.scale);
         }
       }
     }
-    __syncthreads();  // the next iteration overwrites sP, sdS and (with one stage) Q, dO
   }
 
   // Epilogue: dK (scaled) and dV through the K and V tiles, so the global stores are 16 bytes wide.

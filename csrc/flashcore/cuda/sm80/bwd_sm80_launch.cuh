@@ -20,6 +20,11 @@ constexpr int bwd_smem_bytes() {
 }
 
 template <int kHeadDim, typename Element>
+constexpr int bwd_block_m() {
+  return BwdKernelTraits<kHeadDim, Element>::kBlockM;
+}
+
+template <int kHeadDim, typename Element>
 void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
   using Traits = BwdKernelTraits<kHeadDim, Element>;
   auto kernel = &bwd_sm80_kernel<Traits>;
