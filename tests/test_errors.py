@@ -97,9 +97,11 @@ def test_empty_inputs_like_sdpa(shape_q, shape_kv):
 
 @pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
 def test_mixed_devices_raise():
-    q, k, v = _qkv()
+    q, k, v = _qkv(dtype=torch.float16)  # a dtype the CUDA kernels take, so the device check is what fires
     with pytest.raises(RuntimeError, match="key is on"):
         flashcore.attention(q.cuda(), k, v.cuda())
+    with pytest.raises(RuntimeError, match="value is on"):
+        flashcore.attention(q.cuda(), k.cuda(), v)
 
 
 @pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")

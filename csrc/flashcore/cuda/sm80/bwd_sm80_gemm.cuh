@@ -39,10 +39,11 @@ __device__ __forceinline__ void mma_pair(float (&c)[kNT][4], int np, const uint3
   ptx::mma_m16n8k16<Element>(c[2 * np + 1], a, b_hi);
 }
 
-// C = A[a_row0 : +16, :] . B[b_row0 : +8 kNT, :]^T over kKSteps k16 steps.
-template <typename TA, typename TB, int kNT, int kKSteps, typename Element>
-__device__ __forceinline__ void warp_gemm_abt(float (&c)[kNT][4], const Element* sA, int a_row0, const Element* sB,
-                                              int b_row0, int lane) {
+// C = A[a_row0 : +16, :] . op(B) over kKSteps k16 steps, A stored m x k. kBStoredNK: B stored n x k and op(B) = B^T
+// (rows b_off.. of B); otherwise B stored k x n and op(B) = B (columns b_off..).
+template <bool kBStoredNK, typename TA, typename TB, int kNT, int kKSteps, typename Element>
+__device__ __forceinline__ void warp_gemm_a_mk(float (&c)[kNT][4], const Element* sA, int a_row0, const Element* sB,
+                                               int b_off, int lane) {
   zero(c);
   const uint32_t a_base = ptx::smem_addr(sA);
   const uint32_t b_base = ptx::smem_addr(sB);
@@ -52,13 +53,31 @@ __device__ __forceinline__ void warp_gemm_abt(float (&c)[kNT][4], const Element*
     ptx::ldmatrix_x4(a, a_base + a_frag_offset<TA>(a_row0, ks, lane) * 2);
 #pragma unroll
     for (int np = 0; np < kNT / 2; ++np) {
-      // Matrices (rows 0-7 | 8-15 of this pair) x (k 0-7 | 8-15), stored with k along the columns.
       uint32_t b[4];
-      const int row = b_row0 + np * 16 + (lane & 7) + (lane >> 4) * 8;
-      ptx::ldmatrix_x4(b, b_base + TB::chunk_offset(row, 2 * ks + ((lane >> 3) & 1)) * 2);
+      if constexpr (kBStoredNK) {
+        // Matrices (rows 0-7 | 8-15 of this pair) x (k 0-7 | 8-15), stored with k along the columns.
+        const int row = b_off + np * 16 + (lane & 7) + (lane >> 4) * 8;
+        ptx::ldmatrix_x4(b, b_base + TB::chunk_offset(row, 2 * ks + ((lane >> 3) & 1)) * 2);
+      } else {
+        ldmatrix_b_kn<TB>(b, b_base, ks, b_off, np, lane);
+      }
       mma_pair<Element>(c, np, a, b);
     }
   }
+}
+
+// C = A[a_row0 : +16, :] . B[b_row0 : +8 kNT, :]^T (S = Q K^T, dP = dO V^T).
+template <typename TA, typename TB, int kNT, int kKSteps, typename Element>
+__device__ __forceinline__ void warp_gemm_abt(float (&c)[kNT][4], const Element* sA, int a_row0, const Element* sB,
+                                              int b_row0, int lane) {
+  warp_gemm_a_mk<true, TA, TB, kNT, kKSteps>(c, sA, a_row0, sB, b_row0, lane);
+}
+
+// C = A[a_row0 : +16, :] . B[:, b_col0 : +8 kNT] (dQ = dS K).
+template <typename TA, typename TB, int kNT, int kKSteps, typename Element>
+__device__ __forceinline__ void warp_gemm_ab(float (&c)[kNT][4], const Element* sA, int a_row0, const Element* sB,
+                                             int b_col0, int lane) {
+  warp_gemm_a_mk<false, TA, TB, kNT, kKSteps>(c, sA, a_row0, sB, b_col0, lane);
 }
 
 // C += A[:, a_col0 : +16]^T . B[:, b_col0 : +8 kNT] over kKSteps k16 steps (both stored with k along the rows).
@@ -74,26 +93,6 @@ __device__ __forceinline__ void warp_gemm_atb(float (&c)[kNT][4], const Element*
     uint32_t a[4];
     const int k = ks * 16 + (lane & 7) + ((lane >> 4) & 1) * 8;
     ptx::ldmatrix_x4_trans(a, a_base + TA::chunk_offset(k, a_col0 / 8 + ((lane >> 3) & 1)) * 2);
-#pragma unroll
-    for (int np = 0; np < kNT / 2; ++np) {
-      uint32_t b[4];
-      ldmatrix_b_kn<TB>(b, b_base, ks, b_col0, np, lane);
-      mma_pair<Element>(c, np, a, b);
-    }
-  }
-}
-
-// C = A[a_row0 : +16, :] . B[:, b_col0 : +8 kNT] over kKSteps k16 steps (A stored m x k, B stored k x n).
-template <typename TA, typename TB, int kNT, int kKSteps, typename Element>
-__device__ __forceinline__ void warp_gemm_ab(float (&c)[kNT][4], const Element* sA, int a_row0, const Element* sB,
-                                             int b_col0, int lane) {
-  zero(c);
-  const uint32_t a_base = ptx::smem_addr(sA);
-  const uint32_t b_base = ptx::smem_addr(sB);
-#pragma unroll
-  for (int ks = 0; ks < kKSteps; ++ks) {
-    uint32_t a[4];
-    ptx::ldmatrix_x4(a, a_base + a_frag_offset<TA>(a_row0, ks, lane) * 2);
 #pragma unroll
     for (int np = 0; np < kNT / 2; ++np) {
       uint32_t b[4];
