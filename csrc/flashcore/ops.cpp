@@ -1,5 +1,5 @@
 // The flashcore operator library: schemas defined once here; implementations are registered per dispatch key
-// (cpu/attention_cpu.cpp, cuda/attention_cuda.cu), the fake (meta) kernels and autograd in flashcore/ops.py.
+// (cpu/attention_cpu.cpp, cuda/attention_cuda.cpp), the fake (meta) kernels and autograd in flashcore/ops.py.
 //
 // Tensors are logical (batch, heads, seq_len, head_dim) with any strides whose last one is 1, so BHSD and
 // BSHD (a transposed view) are both accepted without copies. key/value may have fewer heads than query
