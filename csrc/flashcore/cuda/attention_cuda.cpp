@@ -33,26 +33,27 @@ cuda::DType to_dtype(at::ScalarType t) { return t == at::kHalf ? cuda::DType::kF
 // aligned. Any tensor the validation accepts (last dim contiguous, head_dim a multiple of 8) becomes aligned
 // once copied into fresh (allocator-aligned) storage; most callers' tensors already are, and are used in place.
 // Not .contiguous(): a contiguous view at an odd storage offset would come back unchanged, still misaligned.
-at::Tensor aligned_for_16b_loads(const at::Tensor& t) {
+bool is_16b_aligned(const at::Tensor& t) {
   const int64_t elems = 16 / t.element_size();
-  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % elems == 0 &&
-                       t.stride(1) % elems == 0 && t.stride(2) % elems == 0;
-  return aligned ? t : t.clone(at::MemoryFormat::Contiguous);
+  return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % elems == 0 &&
+         t.stride(1) % elems == 0 && t.stride(2) % elems == 0;
 }
 
-// FLASHCORE_FORCE_KERNEL=sm80|sm90 forces a family (read per call, so tests can set it at run time).
-std::string forced_family() {
-  const char* env = std::getenv("FLASHCORE_FORCE_KERNEL");
+at::Tensor aligned_for_16b_loads(const at::Tensor& t) {
+  return is_16b_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// Run-time switches, read per call so that tests can set them: FLASHCORE_FORCE_KERNEL=sm80|sm90 forces a forward
+// family, FLASHCORE_FORCE_BWD=composite|sm80 a backward path.
+std::string env_switch(const char* name) {
+  const char* env = std::getenv(name);
   return env ? std::string(env) : std::string();
 }
 
 // TMA (the sm90 family's loads) needs positive 16-byte-multiple strides; a tensor that aligned_for_16b_loads
 // would copy is a fresh contiguous tensor afterwards, hence compatible.
 bool tma_ready(const at::Tensor& t) {
-  const int64_t elems = 16 / t.element_size();
-  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % elems == 0 &&
-                       t.stride(1) % elems == 0 && t.stride(2) % elems == 0;
-  if (!aligned) return true;
+  if (!is_16b_aligned(t)) return true;
   const Strides s{t.stride(0), t.stride(1), t.stride(2)};
   return sm90::tma_compatible(t.data_ptr(), s, t.size(0), t.size(1), t.size(2));
 }
@@ -66,7 +67,7 @@ const char* select_family(const at::Tensor& query, const at::Tensor& key, const 
   const auto dtype = to_dtype(query.scalar_type());
   const int head_dim = (int)query.size(3);
   const bool sm90_built = cuda::find_fwd_kernel("sm90", head_dim, dtype) != nullptr;
-  const std::string forced = forced_family();
+  const std::string forced = env_switch("FLASHCORE_FORCE_KERNEL");
   if (forced == "sm80") return "sm80";
   if (forced == "sm90") {
     TORCH_CHECK(hopper, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 needs a compute capability 9.0 GPU; ",
@@ -142,8 +143,7 @@ std::string fwd_kernel_name_cuda(const at::Tensor& query, const at::Tensor& key,
 // backward, since the fused kernel sums dQ with atomics whose order varies. FLASHCORE_FORCE_BWD=composite forces
 // the composite path (tests, ablations).
 const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& query, const at::Tensor& key, bool deterministic) {
-  const char* env = std::getenv("FLASHCORE_FORCE_BWD");
-  const std::string forced = env ? std::string(env) : std::string();
+  const std::string forced = env_switch("FLASHCORE_FORCE_BWD");
   TORCH_CHECK(forced.empty() || forced == "composite" || forced == "sm80", "flashcore: FLASHCORE_FORCE_BWD=",
               forced, " is not a backward path (composite, sm80)");
   if (deterministic || forced == "composite") return nullptr;
@@ -153,7 +153,7 @@ const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& query, const at:
   if ((int64_t)prop->sharedMemPerBlockOptin < entry->smem_bytes) return nullptr;
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   const int64_t rows = query.size(0) * query.size(1) * query.size(2);
-  const int64_t key_blocks = (key.size(2) + 63) / 64;
+  const int64_t key_blocks = (key.size(2) + 63) / 64;  // 64: the smallest kBlockN, so an upper bound
   if (rows / 8 + 1 > kIntMax || key_blocks * key.size(0) * key.size(1) > kIntMax) return nullptr;
   return entry;
 }

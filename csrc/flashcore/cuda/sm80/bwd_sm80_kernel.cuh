@@ -20,6 +20,7 @@
 #include <cstdint>
 
 #include "../../params.h"
+#include "../fwd_block.cuh"  // tile_needs_mask
 #include "../ptx/cp_async.cuh"
 #include "bwd_sm80_config.cuh"
 #include "bwd_sm80_gemm.cuh"
@@ -163,8 +164,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       s[0][ni][3] = s[0][ni][3] * p.scale_log2 - lse_hi;
     }
     // Masked after scaling, so that a negative scale cannot turn a -inf score into +inf.
-    const int64_t tile_end = (int64_t)n0 + kBlockN;
-    if (tile_end > seqlen_k || (p.causal && tile_end > (int64_t)m0 + p.causal_offset + 1))
+    if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
       apply_mask(s, m0 + r_lo, n0 + wc * Traits::kSCols + 2 * t, seqlen_k, p.causal, p.causal_offset);
 #pragma unroll
     for (int ni = 0; ni < kSNT; ++ni) {
