@@ -330,6 +330,20 @@ def probe(backend: Backend, shape: Shape, inputs, mode: str, dout=None):
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def peak_extra_mib(step: Callable, context) -> float:
+    """GPU memory one call needs above what is already allocated (its outputs, workspaces and, for fwd+bwd, the
+    tensors saved for backward), from the caching allocator's peak counter."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    with context():
+        res = step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    del res
+    return peak / 2**20
+
+
 def time_events(step: Callable, n: int) -> list[float]:
     """n calls back to back, each bracketed alone by CUDA events; one synchronize at the end. Returns ms."""
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
@@ -451,9 +465,12 @@ def run_mode(shape: Shape, mode: str, backends: list[Backend], args, device: str
                 rec["backends"][name]["wrong"] = True
     del results
 
-    # 2. per-backend steps and (GPU) graphs
+    # 2. per-backend steps, peak memory and (GPU) graphs
     cuda = device == "cuda"
     steps = {be.name: make_step(be, shape, inputs, mode, dout) for be in live}
+    if cuda:
+        for be in live:
+            rec["backends"][be.name]["peak_mib"] = peak_extra_mib(steps[be.name], be.context)
     n_iters = {}
     for be in live:  # calls per batch: --iters, fewer for long calls (--batch-ms)
         with be.context():
@@ -617,6 +634,8 @@ def table_rows(shape_rec: dict) -> list[list[str]]:
                 notes.append("graph n/a: " + r["graph_reason"])
             if name == "flashcore" and "time_ratio_vs_sdpa" in r:
                 notes.append(f"fc/sdpa time {r['time_ratio_vs_sdpa']:.2f}")
+            if "peak_mib" in r:
+                notes.append(f"peak {r['peak_mib']:.0f} MiB")
             if "io_tb_s" in r:
                 notes.append(f"{r.get('graph_io_tb_s', r['io_tb_s']):.2f} TB/s")
             spread = "-"

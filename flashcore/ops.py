@@ -38,52 +38,12 @@ def _bwd_fake(grad_out, query, key, value, out, lse, softmax_scale, is_causal=Fa
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# Autograd: out's gradient through flashcore::bwd. lse is an auxiliary output and is not differentiable.
+# Autograd: registered in C++ (csrc/flashcore/autograd.cpp) at the Autograd key; a Python autograd kernel would
+# add ~10 us of host time to every call. out's gradient goes through flashcore::bwd; lse is not differentiable;
+# torch.use_deterministic_algorithms(True) selects the bitwise-reproducible backward.
 # ----------------------------------------------------------------------------------------------------------------
 
-
-def _fwd_setup_context(ctx, inputs, output):
-    query, key, value, softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap = inputs
-    out, lse = output
-    ctx.save_for_backward(query, key, value, out, lse)
-    ctx.softmax_scale = softmax_scale
-    ctx.is_causal = is_causal
-    ctx.causal_bottom_right = causal_bottom_right
-    ctx.window = (window_left, window_right)
-    ctx.softcap = softcap
-    ctx.mark_non_differentiable(lse)
-
-
-def _fwd_backward(ctx, grad_out, grad_lse):
-    query, key, value, out, lse = ctx.saved_tensors
-    if grad_out is None:
-        grad_out = torch.zeros_like(out)
-    elif grad_out.stride(-1) != 1:
-        # e.g. the expanded (all-zero-stride) gradient of out.sum(); the kernels need a contiguous last dim.
-        grad_out = grad_out.contiguous()
-    grad_q, grad_k, grad_v = torch.ops.flashcore.bwd(
-        grad_out,
-        query,
-        key,
-        value,
-        out,
-        lse,
-        ctx.softmax_scale,
-        ctx.is_causal,
-        ctx.causal_bottom_right,
-        ctx.window[0],
-        ctx.window[1],
-        ctx.softcap,
-        _deterministic(),
-    )
-    return grad_q, grad_k, grad_v, None, None, None, None, None, None
-
-
-def _deterministic() -> bool:
-    return torch.are_deterministic_algorithms_enabled()
-
-
-torch.library.register_autograd("flashcore::fwd", _fwd_backward, setup_context=_fwd_setup_context)
+_fwd_op = torch.ops.flashcore.fwd.default
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -149,7 +109,7 @@ def attention(
         softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
         softmax_scale = float(scale)
-    out, lse = torch.ops.flashcore.fwd(query, key, value, softmax_scale, bool(is_causal))
+    out, lse = _fwd_op(query, key, value, softmax_scale, bool(is_causal))
     if squeeze:
         out, lse = out.squeeze(1), lse.squeeze(1)
     return (out, lse) if return_lse else out
@@ -167,7 +127,7 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
             raise RuntimeError(f"flashcore.flash_attn_func: {name} must be 4-D (batch, seq_len, heads, head_dim)")
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
-    out, lse = torch.ops.flashcore.fwd(
+    out, lse = _fwd_op(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), float(softmax_scale), bool(causal), bool(causal)
     )
     out = out.transpose(1, 2)

@@ -67,6 +67,30 @@ def test_forward_grid(request, family, dtype, head_dim, shape, mask):
     assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=2e-3, rtol=1e-4)
 
 
+# The sm90 launcher picks the block height (64 rows per consumer warpgroup) from the grid size: the fewest
+# warpgroups whose grid fits in one wave of the GPU's SMs, else the configured width. Every SHAPES entry runs
+# 64-row blocks; 4x40x333 runs the configured (wide) blocks on any GPU with up to 160 SMs; 1x12x1000 (96 or 192
+# blocks of 128 or 64 rows) runs the two-warpgroup variant of head dim 64 on a 132-SM H100.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
+@pytest.mark.parametrize("shape", [(4, 40, 8, 333, 517), (1, 12, 4, 1000, 1000)], ids=lambda s: "x".join(map(str, s)))
+def test_forward_block_heights(request, family, dtype, head_dim, mask, shape):
+    B, Hq, Hkv, Sq, Sk = shape
+    g = make_generator(request, DEV)
+    q = randn((B, Hq, Sq, head_dim), dtype, g, DEV, layout="bshd")
+    k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV)
+    v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV)
+    causal = mask != "none"
+    offset = Sk - Sq if mask == "bottom_right" else 0
+    out, lse = torch.ops.flashcore.fwd(q, k, v, 1.0 / math.sqrt(head_dim), causal, mask == "bottom_right")
+    ref, ref_lse = reference_attention(q, k, v, causal, None, offset)
+    assert_flash_close("out", out, ref, _sdpa_lowp(q, k, v, causal, offset))
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=2e-3, rtol=1e-4)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_forward_misaligned_and_strided(request, family, dtype, head_dim):
@@ -263,3 +287,69 @@ def test_compile_on_cuda(request):
     assert torch.allclose(loss, loss_ref)
     for a, b in zip(grads, grads_ref):  # dQ is summed with atomics: equal up to summation order
         assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+
+
+class _TinyDecoder(torch.nn.Module):
+    """Two pre-norm causal attention blocks with GQA (8 query heads, 2 key/value heads, head dim 64)."""
+
+    def __init__(self, attn, dim=256, heads=8, kv_heads=2, layers=2):
+        super().__init__()
+        self.attn, self.heads, self.kv_heads, self.hd = attn, heads, kv_heads, dim // heads
+        self.norms = torch.nn.ModuleList(torch.nn.LayerNorm(dim) for _ in range(layers))
+        self.qkv = torch.nn.ModuleList(
+            torch.nn.Linear(dim, (heads + 2 * kv_heads) * self.hd) for _ in range(layers))
+        self.proj = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        B, S, _ = x.shape
+        for norm, qkv, proj in zip(self.norms, self.qkv, self.proj):
+            q, k, v = qkv(norm(x)).split([self.heads * self.hd, self.kv_heads * self.hd, self.kv_heads * self.hd], -1)
+            q = q.view(B, S, self.heads, self.hd).transpose(1, 2)  # BSHD storage, read in place
+            k = k.view(B, S, self.kv_heads, self.hd).transpose(1, 2)
+            v = v.view(B, S, self.kv_heads, self.hd).transpose(1, 2)
+            y = self.attn(q, k, v, is_causal=True, enable_gqa=True)
+            x = x + proj(y.transpose(1, 2).reshape(B, S, -1))
+        return self.head(x)
+
+
+def _train(attn, dtype, steps, data, seed_state, autocast):
+    model = _TinyDecoder(attn).to(DEV)
+    model.load_state_dict(seed_state)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    x, target = data
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=dtype, enabled=autocast):
+            loss = (model(x).float() - target).square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_training_matches_sdpa(request, dtype):
+    """300 Adam steps of a small causal GQA decoder under autocast: flashcore's loss curve stays as close to the
+    float32 run (SDPA math) as SDPA's own low-precision run does (flash-attn's 2x rule on window means)."""
+    g = make_generator(request, DEV)
+    torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=DEV)))
+    init = {k: v.clone() for k, v in _TinyDecoder(None).to(DEV).state_dict().items()}
+    x = torch.randn(4, 256, 256, generator=g, device=DEV)
+    target = torch.randn(4, 256, 256, generator=g, device=DEV).cumsum(1) / 16  # needs attention to the past
+    steps = 300
+
+    def sdpa_math(*a, **kw):
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            return F.scaled_dot_product_attention(*a, **kw)
+
+    ref = _train(sdpa_math, dtype, steps, (x, target), init, autocast=False)
+    fc = _train(flashcore.attention, dtype, steps, (x, target), init, autocast=True)
+    sd = _train(F.scaled_dot_product_attention, dtype, steps, (x, target), init, autocast=True)
+    assert torch.isfinite(fc).all()
+    assert fc[-20:].mean() < 0.7 * fc[:5].mean(), "the model did not learn: the comparison would be vacuous"
+    win = lambda c: c.view(-1, 20).mean(1)  # noqa: E731
+    err_fc = (win(fc) - win(ref)).abs()
+    err_sd = (win(sd) - win(ref)).abs()
+    assert (err_fc <= 2 * err_sd + 0.01 * win(ref)).all(), (err_fc, err_sd, win(ref))

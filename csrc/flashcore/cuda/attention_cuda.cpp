@@ -183,7 +183,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   const at::Tensor q = aligned_for_16b_loads(query), k = aligned_for_16b_loads(key);
   const at::Tensor v = aligned_for_16b_loads(value), o = aligned_for_16b_loads(out);
   const at::Tensor dout = aligned_for_16b_loads(grad_out);
-  const BwdParams pk = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
+  BwdParams pk = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
+  // The fused kernel sums dQ in dq_accum (fp32) and never touches grad_query: release it until the end, so that
+  // grad_query is not allocated together with dsum (peak memory at or below SDPA's; docs/PERFORMANCE.md).
+  pk.dq = nullptr;
+  grad_query = at::Tensor();
   const auto f32 = query.options().dtype(at::kFloat);
   at::Tensor dsum = at::empty({query.size(0), query.size(1), query.size(2)}, f32);
   const int64_t rows = (query.size(2) + kernel->block_m - 1) / kernel->block_m * kernel->block_m;
@@ -191,6 +195,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   cuda::launch_bwd_dsum(pk, query.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), stream);
   kernel->launch(pk, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
+  dsum = at::Tensor();
+  grad_query = at::empty_like(query);
   grad_query.copy_(dq_accum.narrow(2, 0, query.size(2)).narrow(3, 0, query.size(3)));
   return {grad_query, grad_key, grad_value};
 }

@@ -8,13 +8,16 @@
 
 namespace flashcore::sm90 {
 
-template <int kHeadDim_, typename Element_>
+// kWarpgroups_ (consumer warpgroups, 64 query rows each) defaults to the configured width; the launcher also
+// instantiates a one-warpgroup variant for grids too small to fill the GPU (fwd_sm90_launch.cuh).
+template <int kHeadDim_, typename Element_, int kWarpgroups_ = FwdSm90Config<kHeadDim_>::kWarpgroups>
 struct FwdSm90Traits {
   using Element = Element_;
   using Config = FwdSm90Config<kHeadDim_>;
   static constexpr int kHeadDim = kHeadDim_;
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "wgmma tiles use 64-element swizzle spans");
-  static constexpr int kWarpgroups = Config::kWarpgroups;  // consumers
+  static constexpr int kWarpgroups = kWarpgroups_;  // consumers
+  static_assert(kWarpgroups >= 1 && kWarpgroups <= Config::kWarpgroups, "more consumers than configured");
   static constexpr int kBlockM = 64 * kWarpgroups;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kStages = Config::kStages;

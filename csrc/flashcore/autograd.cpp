@@ -1,0 +1,99 @@
+// Autograd for flashcore::fwd, registered in C++ at the Autograd dispatch key (for every backend).
+//
+// Why C++ and not torch.library.register_autograd: a Python autograd kernel runs on every call, even with no
+// input requiring grad, and costs ~10 us of host time per call; a small attention call is host-bound, so that
+// time is the whole difference to SDPA (docs/PERFORMANCE.md, "Host path"). torch.compile traces through this
+// node like any C++ autograd kernel: forward and backward reach the fake kernels registered in flashcore/ops.py.
+//
+// The backward calls flashcore::bwd, which has no autograd of its own (double backward is not supported).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/autograd.h>
+#include <torch/library.h>
+
+#include <tuple>
+
+namespace flashcore {
+namespace {
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                            double scale, bool causal, bool bottom_right, int64_t window_left,
+                                            int64_t window_right, double softcap) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("flashcore::fwd", "")
+                             .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
+                                                                       const at::Tensor&, double, bool, bool,
+                                                                       int64_t, int64_t, double)>();
+  return op.call(q, k, v, scale, causal, bottom_right, window_left, window_right, softcap);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_bwd(const at::Tensor& dout, const at::Tensor& q,
+                                                        const at::Tensor& k, const at::Tensor& v,
+                                                        const at::Tensor& out, const at::Tensor& lse, double scale,
+                                                        bool causal, bool bottom_right, int64_t window_left,
+                                                        int64_t window_right, double softcap, bool deterministic) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("flashcore::bwd", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, double, bool, bool, int64_t, int64_t, double, bool)>();
+  return op.call(dout, q, k, v, out, lse, scale, causal, bottom_right, window_left, window_right, softcap,
+                 deterministic);
+}
+
+class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               double scale, bool causal, bool bottom_right, int64_t window_left,
+                               int64_t window_right, double softcap) {
+    // Below autograd: the call reaches the CPU/CUDA/fake kernel instead of this one again.
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    auto [out, lse] = call_fwd(q, k, v, scale, causal, bottom_right, window_left, window_right, softcap);
+    ctx->save_for_backward({q, k, v, out, lse});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["bottom_right"] = bottom_right;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor& out = saved[3];
+    at::Tensor dout = grads[0];
+    if (!dout.defined()) {
+      dout = at::zeros_like(out);  // only lse was used: out's gradient is zero
+    } else if (dout.stride(-1) != 1) {
+      dout = dout.contiguous();  // e.g. the expanded (zero-stride) gradient of out.sum()
+    }
+    // The same switch as torch.use_deterministic_algorithms: the bitwise-reproducible backward path.
+    const bool deterministic = at::globalContext().deterministicAlgorithms();
+    auto [dq, dk, dv] =
+        call_bwd(dout, saved[0], saved[1], saved[2], out, saved[4], ctx->saved_data["scale"].toDouble(),
+                 ctx->saved_data["causal"].toBool(), ctx->saved_data["bottom_right"].toBool(),
+                 ctx->saved_data["window_left"].toInt(), ctx->saved_data["window_right"].toInt(),
+                 ctx->saved_data["softcap"].toDouble(), deterministic);
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                double scale, bool causal, bool bottom_right, int64_t window_left,
+                                                int64_t window_right, double softcap) {
+  variable_list outs =
+      AttentionFunction::apply(q, k, v, scale, causal, bottom_right, window_left, window_right, softcap);
+  return {outs[0], outs[1]};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(flashcore, Autograd, m) { m.impl("fwd", &fwd_autograd); }
+
+}  // namespace flashcore
