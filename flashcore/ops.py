@@ -23,7 +23,7 @@ __all__ = ["attention", "flash_attn_func", "fwd_kernel_name"]
 
 @torch.library.register_fake("flashcore::fwd")
 def _fwd_fake(query, key, value, softmax_scale, is_causal=False, causal_bottom_right=False, window_left=-1,
-              window_right=-1, softcap=0.0):
+              window_right=-1, softcap=0.0, deterministic=False):
     torch._check(query.dim() == 4, lambda: f"flashcore: query must be 4-D; got {query.dim()}-D")
     torch._check(key.dim() == 4 and value.dim() == 4, lambda: "flashcore: key and value must be 4-D")
     out = torch.empty_like(query)
@@ -40,7 +40,7 @@ def _bwd_fake(grad_out, query, key, value, out, lse, softmax_scale, is_causal=Fa
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd: registered in C++ (csrc/flashcore/autograd.cpp) at the Autograd key; a Python autograd kernel would
 # add ~10 us of host time to every call. out's gradient goes through flashcore::bwd; lse is not differentiable;
-# torch.use_deterministic_algorithms(True) selects the bitwise-reproducible backward.
+# fwd's deterministic=True or torch.use_deterministic_algorithms(True) selects the bitwise-reproducible backward.
 # ----------------------------------------------------------------------------------------------------------------
 
 _fwd_op = torch.ops.flashcore.fwd.default
@@ -67,6 +67,7 @@ def attention(
     enable_gqa: bool = False,
     *,
     return_lse: bool = False,
+    deterministic: bool = False,
 ):
     """Exact fused attention with the semantics of ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -75,6 +76,10 @@ def attention(
     is_causal masks as SDPA does (top-left aligned when Sq != Sk). scale defaults to 1/sqrt(D). With
     enable_gqa=True, Hq may be a multiple of Hkv (grouped-query attention; K/V are never copied per head).
     attn_mask and dropout_p exist for drop-in compatibility and must be None and 0.
+
+    deterministic=True makes the backward bitwise reproducible run to run (on CUDA it then sums dQ without
+    atomics, at a large cost in speed: docs/PERFORMANCE.md); torch.use_deterministic_algorithms(True) does the same
+    for every call. The forward is always deterministic.
 
     Returns out (shape and dtype of query), or (out, lse) with return_lse=True, lse being the float32
     (B, Hq, Sq) natural-log log-sum-exp of each row of scaled scores (not differentiable).
@@ -109,13 +114,13 @@ def attention(
         softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
         softmax_scale = float(scale)
-    out, lse = _fwd_op(query, key, value, softmax_scale, bool(is_causal))
+    out, lse = _fwd_op(query, key, value, softmax_scale, bool(is_causal), False, -1, -1, 0.0, bool(deterministic))
     if squeeze:
         out, lse = out.squeeze(1), lse.squeeze(1)
     return (out, lse) if return_lse else out
 
 
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False):
+def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False):
     """flash-attn style call: q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) (BSHD), causal aligned bottom-right
     (query i sees keys j <= i + Sk - Sq), GQA whenever Hq is a multiple of Hkv. Returns out in BSHD
     (and lse (B, Hq, Sq) with return_lse=True)."""
@@ -128,7 +133,8 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
     out, lse = _fwd_op(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), float(softmax_scale), bool(causal), bool(causal)
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), float(softmax_scale), bool(causal), bool(causal),
+        -1, -1, 0.0, bool(deterministic),
     )
     out = out.transpose(1, 2)
     return (out, lse) if return_lse else out

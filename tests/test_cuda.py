@@ -70,11 +70,14 @@ def test_forward_grid(request, family, dtype, head_dim, shape, mask):
 # The sm90 launcher picks the block height (64 rows per consumer warpgroup) from the grid size: the fewest
 # warpgroups whose grid fits in one wave of the GPU's SMs, else the configured width. Every SHAPES entry runs
 # 64-row blocks; 4x40x333 runs the configured (wide) blocks on any GPU with up to 160 SMs; 1x12x1000 (96 or 192
-# blocks of 128 or 64 rows) runs the two-warpgroup variant of head dim 64 on a 132-SM H100.
+# blocks of 128 or 64 rows) runs the two-warpgroup variant of head dim 64 on a 132-SM H100. The persistent sm90
+# grid has one block per SM, so the large shapes give each block several tiles; 600 queries on 300 keys with the
+# bottom-right mask interleave tiles that see no key at all (n_blocks == 0) with full ones.
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
-@pytest.mark.parametrize("shape", [(4, 40, 8, 333, 517), (1, 12, 4, 1000, 1000)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(4, 40, 8, 333, 517), (1, 12, 4, 1000, 1000), (4, 40, 40, 600, 300)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_forward_block_heights(request, family, dtype, head_dim, mask, shape):
     B, Hq, Hkv, Sq, Sk = shape
     g = make_generator(request, DEV)
@@ -259,19 +262,26 @@ def test_backward_large_and_one_hot(request, bwd_path):
     _check_grads(got, q, k, v, dout, True, 0, torch.float16)
 
 
-def test_backward_deterministic_mode(request):
+@pytest.mark.parametrize("how", ["argument", "global"])
+def test_backward_deterministic_mode(request, how):
+    """deterministic=True (or torch.use_deterministic_algorithms) gives bitwise-identical, correct gradients."""
     g = make_generator(request, DEV)
     q, k, v = (randn((2, 4, 700, 64), torch.float16, g, DEV).requires_grad_() for _ in range(3))
     dout = randn((2, 4, 700, 64), torch.float16, g, DEV)
     prev = torch.are_deterministic_algorithms_enabled()
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    if how == "global":
+        torch.use_deterministic_algorithms(True, warn_only=True)
     try:
-        a = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=True), (q, k, v), dout)
-        b = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=True), (q, k, v), dout)
+        runs = [
+            torch.autograd.grad(flashcore.attention(q, k, v, is_causal=True, deterministic=how == "argument"),
+                                (q, k, v), dout)
+            for _ in range(2)
+        ]
     finally:
         torch.use_deterministic_algorithms(prev)
-    for x, y in zip(a, b):
+    for x, y in zip(*runs):
         assert torch.equal(x, y)
+    _check_grads(runs[0], q, k, v, dout, True, 0, torch.float16)
 
 
 def test_compile_on_cuda(request):

@@ -107,3 +107,24 @@ def test_model_training_matches_sdpa():
 def test_fwd_kernel_name_cpu():
     q = torch.randn(1, 1, 4, 8)
     assert flashcore.fwd_kernel_name(q, q, q) == "cpu"
+
+
+def test_deterministic_argument_reaches_backward():
+    """deterministic=True is carried from the forward call to flashcore::bwd (seen through a dispatch log)."""
+    q, k, v = (torch.randn(1, 2, 9, 16, dtype=torch.float64, requires_grad=True) for _ in range(3))
+    seen = []
+
+    class Log(torch.utils._python_dispatch.TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.flashcore.bwd.default:
+                seen.append(args[12] if len(args) > 12 else (kwargs or {}).get("deterministic", False))
+            return func(*args, **(kwargs or {}))
+
+    for det in (True, False):
+        out = flashcore.attention(q, k, v, is_causal=True, deterministic=det)
+        with Log():
+            grads = torch.autograd.grad(out.sum(), (q, k, v))
+        ref = torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(), (q, k, v))
+        for a, b in zip(grads, ref):
+            assert torch.allclose(a, b)
+    assert seen == [True, False]

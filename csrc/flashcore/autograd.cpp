@@ -21,13 +21,13 @@ using torch::autograd::variable_list;
 
 std::tuple<at::Tensor, at::Tensor> call_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                             double scale, bool causal, bool bottom_right, int64_t window_left,
-                                            int64_t window_right, double softcap) {
+                                            int64_t window_right, double softcap, bool deterministic) {
   static const auto op = c10::Dispatcher::singleton()
                              .findSchemaOrThrow("flashcore::fwd", "")
                              .typed<std::tuple<at::Tensor, at::Tensor>(const at::Tensor&, const at::Tensor&,
                                                                        const at::Tensor&, double, bool, bool,
-                                                                       int64_t, int64_t, double)>();
-  return op.call(q, k, v, scale, causal, bottom_right, window_left, window_right, softcap);
+                                                                       int64_t, int64_t, double, bool)>();
+  return op.call(q, k, v, scale, causal, bottom_right, window_left, window_right, softcap, deterministic);
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> call_bwd(const at::Tensor& dout, const at::Tensor& q,
@@ -49,10 +49,11 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                double scale, bool causal, bool bottom_right, int64_t window_left,
-                               int64_t window_right, double softcap) {
+                               int64_t window_right, double softcap, bool deterministic) {
     // Below autograd: the call reaches the CPU/CUDA/fake kernel instead of this one again.
     at::AutoDispatchBelowADInplaceOrView below_autograd;
-    auto [out, lse] = call_fwd(q, k, v, scale, causal, bottom_right, window_left, window_right, softcap);
+    auto [out, lse] =
+        call_fwd(q, k, v, scale, causal, bottom_right, window_left, window_right, softcap, deterministic);
     ctx->save_for_backward({q, k, v, out, lse});
     ctx->saved_data["scale"] = scale;
     ctx->saved_data["causal"] = causal;
@@ -60,6 +61,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     ctx->saved_data["window_left"] = window_left;
     ctx->saved_data["window_right"] = window_right;
     ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["deterministic"] = deterministic;
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -73,22 +75,25 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     } else if (dout.stride(-1) != 1) {
       dout = dout.contiguous();  // e.g. the expanded (zero-stride) gradient of out.sum()
     }
-    // The same switch as torch.use_deterministic_algorithms: the bitwise-reproducible backward path.
-    const bool deterministic = at::globalContext().deterministicAlgorithms();
+    // The bitwise-reproducible backward: asked for by the call (deterministic=True) or globally by
+    // torch.use_deterministic_algorithms(True) when the backward runs.
+    const bool deterministic =
+        ctx->saved_data["deterministic"].toBool() || at::globalContext().deterministicAlgorithms();
     auto [dq, dk, dv] =
         call_bwd(dout, saved[0], saved[1], saved[2], out, saved[4], ctx->saved_data["scale"].toDouble(),
                  ctx->saved_data["causal"].toBool(), ctx->saved_data["bottom_right"].toBool(),
                  ctx->saved_data["window_left"].toInt(), ctx->saved_data["window_right"].toInt(),
                  ctx->saved_data["softcap"].toDouble(), deterministic);
-    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {dq, dk, dv, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
+            at::Tensor()};
   }
 };
 
 std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                 double scale, bool causal, bool bottom_right, int64_t window_left,
-                                                int64_t window_right, double softcap) {
-  variable_list outs =
-      AttentionFunction::apply(q, k, v, scale, causal, bottom_right, window_left, window_right, softcap);
+                                                int64_t window_right, double softcap, bool deterministic) {
+  variable_list outs = AttentionFunction::apply(q, k, v, scale, causal, bottom_right, window_left, window_right,
+                                                softcap, deterministic);
   return {outs[0], outs[1]};
 }
 

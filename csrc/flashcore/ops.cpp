@@ -23,10 +23,11 @@ PyObject* PyInit__C(void) {
 TORCH_LIBRARY(flashcore, m) {
   // Returns (out, lse): out has query's shape and dtype (and query's layout when query is dense);
   // lse is float32 (batch, heads_q, seq_len_q), the natural-log log-sum-exp of each row's scaled scores.
+  // deterministic=True does not change the forward (always reproducible); autograd passes it on to bwd.
   m.def(
       "fwd(Tensor query, Tensor key, Tensor value, float softmax_scale, bool is_causal=False, "
-      "bool causal_bottom_right=False, int window_left=-1, int window_right=-1, float softcap=0.0) "
-      "-> (Tensor out, Tensor lse)");
+      "bool causal_bottom_right=False, int window_left=-1, int window_right=-1, float softcap=0.0, "
+      "bool deterministic=False) -> (Tensor out, Tensor lse)");
   // Gradients of fwd's out. grad_key/grad_value have key/value's shapes (summed over the query heads that share
   // a key/value head). deterministic=True gives bitwise-identical gradients run to run.
   m.def(

@@ -13,7 +13,8 @@ constexpr BackendLimits kCpuLimits{"CPU", /*allow_fp32_fp64=*/true, /*max_head_d
 
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                            double softmax_scale, bool is_causal, bool causal_bottom_right,
-                                           int64_t window_left, int64_t window_right, double softcap) {
+                                           int64_t window_left, int64_t window_right, double softcap,
+                                           bool /*deterministic: only the backward's*/) {
   const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
   check_fwd_inputs(query, key, value, opts, kCpuLimits);
   auto [out, lse] = alloc_fwd_outputs(query);

@@ -111,7 +111,7 @@ const cuda::FwdKernelEntry& find_kernel(const char* family, const at::Tensor& qu
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at::Tensor& key_in,
                                             const at::Tensor& value_in, double softmax_scale, bool is_causal,
                                             bool causal_bottom_right, int64_t window_left, int64_t window_right,
-                                            double softcap) {
+                                            double softcap, bool /*deterministic: only the backward's*/) {
   const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
   check_fwd_inputs(query_in, key_in, value_in, opts, kCudaLimits);
   const c10::cuda::CUDAGuard guard(query_in.device());

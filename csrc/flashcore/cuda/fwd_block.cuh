@@ -21,13 +21,14 @@ struct FwdBlock {
   Element* out;
 };
 
-// Blocks of one (batch, head) are adjacent in the grid, so they share K/V in L2; within a head the last query
-// blocks (the longest under a causal mask) are launched first.
+// Tiles (query blocks) of one (batch, head) are adjacent in the tile order, so blocks running at the same time
+// share K/V in L2; within a head the last query blocks (the longest under a causal mask) come first. `tile` is
+// the block index for one-tile-per-block grids, the scheduler's tile for persistent ones.
 template <typename Element, int kBlockM, int kBlockN>
-__device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks) {
+__device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks, int tile) {
   FwdBlock<Element> blk;
-  blk.bh = blockIdx.x / num_m_blocks;
-  const int m_block = num_m_blocks - 1 - (int)(blockIdx.x % num_m_blocks);
+  blk.bh = tile / num_m_blocks;
+  const int m_block = num_m_blocks - 1 - tile % num_m_blocks;
   const int64_t b = blk.bh / p.heads_q;
   const int64_t h = blk.bh % p.heads_q;
   const int64_t h_kv = h / p.group;
@@ -44,6 +45,11 @@ __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int n
   }
   blk.n_blocks = (int)((n_end + kBlockN - 1) / kBlockN);
   return blk;
+}
+
+template <typename Element, int kBlockM, int kBlockN>
+__device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks) {
+  return fwd_block<Element, kBlockM, kBlockN>(p, num_m_blocks, (int)blockIdx.x);
 }
 
 // Key tile [n_block * kBlockN, +kBlockN) needs masking for some row of the block: it crosses the sequence end, or

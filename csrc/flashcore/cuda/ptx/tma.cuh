@@ -23,6 +23,12 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
+// Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy (TMA) accesses to
+// the same addresses, once a barrier has ordered the threads. PTX ISA "membar/fence" (9.7.13.4), fence.proxy.async.
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
 // Pulls the descriptor into the TMA unit's cache before the first load that uses it.
 __device__ __forceinline__ void tma_prefetch_descriptor(const CUtensorMap* map) {
   asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");

@@ -10,6 +10,7 @@
 
 #include "../fwd_block.cuh"
 #include "../ptx/mbarrier.cuh"
+#include "../ptx/tma.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "../ptx/wgmma_sm90.cuh"
 #include "../sm80/fwd_sm80_mainloop.cuh"
@@ -20,7 +21,7 @@
 
 namespace flashcore::sm90 {
 
-// Hardware barrier shared by the consumer warpgroups only (the producer has exited by then); 0 is __syncthreads.
+// Hardware barrier shared by the consumer warpgroups only (the producer never uses it); 0 is __syncthreads.
 constexpr uint32_t kConsumerBarrier = 1;
 
 // Descriptor of k-step ks (16 columns) of a K-major tile with `rows` rows starting at tile_addr + row0 * 128.
@@ -34,9 +35,11 @@ __device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile_addr, int rows, i
   return ptx::make_smem_desc_sw128(tile_addr + kk * 16 * 128, /*leading=*/rows * 128, /*stride=*/1024);
 }
 
+// One tile (query block) of the persistent loop: tile_count tiles and kv_count K/V ring uses came before it in
+// this block, in the same order as the producer's (fwd_sm90_producer.cuh).
 template <typename Traits>
-__device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock<typename Traits::Element>& blk,
-                                        const SharedStorage<Traits>& smem) {
+__device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::FwdBlock<typename Traits::Element>& blk,
+                                             const SharedStorage<Traits>& smem, int tile_count, int kv_count) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   constexpr int kNTiles = kBlockN / 8, kDTiles = Traits::kHeadDim / 8, kKSteps = Traits::kHeadDim / 16;
@@ -109,8 +112,9 @@ __device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock
     }
   };
 
+  auto full_parity = [&](int use) { return (uint32_t)((use / kStages) & 1); };
+  ptx::mbarrier_wait(smem.q_full, tile_count & 1);
   if (n_blocks > 0) {
-    ptx::mbarrier_wait(smem.q_full, 0);
     float correction[2];
 
 #ifdef FLASHCORE_SM90_NO_PINGPONG  // ablation builds only
@@ -120,13 +124,14 @@ __device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock
 #endif
 
     // Tile 0: S, softmax, P (o is still zero: nothing to rescale).
+    const int first = kv_count % kStages;
     turns.begin();
-    ptx::mbarrier_wait(&smem.k_full[0], 0);
-    issue_qk(0);
+    ptx::mbarrier_wait(&smem.k_full[first], full_parity(kv_count));
+    issue_qk(first);
     turns.end();
     ptx::wgmma_wait<0>();
     ptx::fence_operand(s_flat);
-    if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[0]);
+    if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[first]);
     softmax_step(n_blocks - 1, correction);
     pack_p();
 
@@ -134,11 +139,12 @@ __device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock
     // softmax of tile it runs while that P V is still in flight. Only then is o rescaled (it is an operand of
     // the in-flight MMA until wait_group 0).
     for (int it = 1; it < n_blocks; ++it) {
-      const int stage = it % kStages, prev = (it - 1) % kStages;
+      const int use = kv_count + it;
+      const int stage = use % kStages, prev = (use - 1) % kStages;
       turns.begin();
-      ptx::mbarrier_wait(&smem.k_full[stage], (it / kStages) & 1);
+      ptx::mbarrier_wait(&smem.k_full[stage], full_parity(use));
       issue_qk(stage);
-      ptx::mbarrier_wait(&smem.v_full[prev], ((it - 1) / kStages) & 1);
+      ptx::mbarrier_wait(&smem.v_full[prev], full_parity(use - 1));
       issue_pv(prev);
       turns.end();
       ptx::wgmma_wait<1>();  // groups retire in order: S of tile it is ready
@@ -153,9 +159,9 @@ __device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock
       pack_p();
     }
 
-    const int last = (n_blocks - 1) % kStages;
+    const int last_use = kv_count + n_blocks - 1, last = last_use % kStages;
     turns.begin();
-    ptx::mbarrier_wait(&smem.v_full[last], ((n_blocks - 1) / kStages) & 1);
+    ptx::mbarrier_wait(&smem.v_full[last], full_parity(last_use));
     issue_pv(last);
     turns.end();
     ptx::wgmma_wait<0>();
@@ -171,6 +177,11 @@ __device__ __forceinline__ void consume(const FwdParams& p, const cuda::FwdBlock
   cuda::write_output<typename Traits::QTile, Traits::kConsumerThreads>(
       o, lse, smem.q, blk, p, warp_row0, lane,
       [] { ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads); });
+  // Release the Q/O buffer to the producer's next Q load: this warp's shared-memory reads and writes (generic
+  // proxy) are ordered before that TMA write (async proxy) by the fence, then the barrier.
+  ptx::fence_proxy_async_shared();
+  __syncwarp();
+  if (lane == 0) ptx::mbarrier_arrive(smem.q_empty);
 }
 
 }  // namespace flashcore::sm90

@@ -1,14 +1,18 @@
-// Hopper forward kernel (sm_90a): warp-specialized, TMA-fed, wgmma FlashAttention.
+// Hopper forward kernel (sm_90a): warp-specialized, TMA-fed, wgmma FlashAttention, persistent.
 //
-// A block computes kBlockM = 64 x kWarpgroups query rows of one (batch, head) with kWarpgroups + 1 warpgroups:
+// The grid has at most one block per SM; block i computes tiles i, i + gridDim.x, ... of the tile order of
+// fwd_block (heads adjacent, heaviest causal query blocks first). A tile is kBlockM = 64 x kWarpgroups query rows
+// of one (batch, head); the block has kWarpgroups + 1 warpgroups:
 //   producer (the last warpgroup, one elected thread; setmaxnreg gives its registers away):
-//     Q once, then K and V tiles into a kStages-deep shared-memory ring through TMA (fwd_sm90_producer.cuh);
+//     per tile, Q, then K and V tiles into a kStages-deep shared-memory ring through TMA (fwd_sm90_producer.cuh);
 //   consumers (warpgroups 0..kWarpgroups-1, 64 rows each; fwd_sm90_consumer.cuh):
 //     S = Q_wg K^T (wgmma, both operands in shared memory), mask, online softmax in registers,
 //     O += P V (wgmma, P from registers), then the epilogue.
 // Each ring stage has a "full" mbarrier (TMA signals the bytes) and an "empty" one (each consumer warp arrives
-// once its wgmma reading the stage has retired), so loads run kStages tiles ahead and no __syncthreads() is
-// needed in the main loop. While one consumer warpgroup runs its softmax the other's GEMMs use the tensor cores.
+// once its wgmma reading the stage has retired), so loads run kStages tiles ahead, across tile boundaries too,
+// and no __syncthreads() is needed after setup. The Q buffer has the same pair (q_full, q_empty): the epilogue
+// stages O in it, and the next tile's Q is loaded once every consumer warp has finished its epilogue. While one
+// consumer warpgroup runs its softmax the other's GEMMs use the tensor cores (fwd_sm90_issue_turns.cuh).
 //
 // Shared tiles use SmemTile's 64-element spans: one TMA box (64 columns x rows, 128-byte swizzle) fills one span,
 // and the span is exactly wgmma's 128-byte-swizzle canonical layout (16-byte chunk c of row r at c ^ (r % 8)).
@@ -35,17 +39,15 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                    const int num_m_blocks) {
+                    const int num_m_blocks, const int num_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Traits::Element;
   extern __shared__ unsigned char smem_raw[];
   SharedStorage<Traits> smem(smem_raw);
 
-  const cuda::FwdBlock<Element> blk =
-      cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks);
-
   if (threadIdx.x == 0) {
     ptx::mbarrier_init(smem.q_full, 1);
+    ptx::mbarrier_init(smem.q_empty, Traits::kConsumerWarps);
 #pragma unroll
     for (int s = 0; s < Traits::kStages; ++s) {
       ptx::mbarrier_init(&smem.k_full[s], 1);
@@ -57,12 +59,28 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   __syncthreads();
 
+  // Both roles walk the same tiles in the same order and count tiles and ring uses identically.
   if (threadIdx.x >= Traits::kConsumerThreads) {
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == Traits::kConsumerThreads) produce<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v);
+    if (threadIdx.x == Traits::kConsumerThreads) {
+      ptx::tma_prefetch_descriptor(&tm_q);
+      ptx::tma_prefetch_descriptor(&tm_k);
+      ptx::tma_prefetch_descriptor(&tm_v);
+      int tile_count = 0, kv_count = 0;
+      for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
+        const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
+        produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count);
+        kv_count += blk.n_blocks > 0 ? blk.n_blocks : 0;
+      }
+    }
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
-    consume<Traits>(p, blk, smem);
+    int tile_count = 0, kv_count = 0;
+    for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
+      const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
+      consume_tile<Traits>(p, blk, smem, tile_count, kv_count);
+      kv_count += blk.n_blocks > 0 ? blk.n_blocks : 0;
+    }
   }
 #endif
 }

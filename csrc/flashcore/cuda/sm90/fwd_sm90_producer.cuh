@@ -1,7 +1,9 @@
 // Producer of the Hopper forward kernel: one thread issues every TMA load of the block.
-// Q (kBlockM rows) once; then, for each key tile in the consumers' order (last tile first), K and V into ring
-// stage it % kStages after the consumers have released it. A load of rows past the sequence end is zero-filled
-// by TMA and still counts its full box bytes, so expect_tx is always the whole tile.
+// Per tile: Q (kBlockM rows) once the consumers have released the previous tile's Q buffer (its epilogue staged O
+// there); then, for each key tile in the consumers' order (last tile first), K and V into the next ring stage
+// after the consumers have released it. The ring position runs on across tiles (kv_count), so the next tile's
+// K/V stream in while the consumers still finish the current one. A load of rows past the sequence end is
+// zero-filled by TMA and still counts its full box bytes, so expect_tx is always the whole tile.
 #pragma once
 
 #include <cuda.h>
@@ -13,36 +15,40 @@
 
 namespace flashcore::sm90 {
 
+// Phase parity that a producer waits for on an "empty" barrier before its use number `use` of the resource
+// (a fresh barrier counts as having completed the phase of parity 1, so use 0 passes at once).
+__device__ __forceinline__ uint32_t empty_parity(int use) { return (use & 1) ^ 1; }
+
 template <typename Traits>
-__device__ __forceinline__ void produce(const FwdParams& p, const cuda::FwdBlock<typename Traits::Element>& blk,
-                                        const SharedStorage<Traits>& smem, const CUtensorMap* tm_q,
-                                        const CUtensorMap* tm_k, const CUtensorMap* tm_v) {
-  if (blk.n_blocks <= 0) return;
+__device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::FwdBlock<typename Traits::Element>& blk,
+                                             const SharedStorage<Traits>& smem, const CUtensorMap* tm_q,
+                                             const CUtensorMap* tm_k, const CUtensorMap* tm_v, int tile_count,
+                                             int kv_count) {
   const int b = (int)(blk.bh / p.heads_q);
   const int h = (int)(blk.bh % p.heads_q);
   const int h_kv = (int)(h / p.group);
-  ptx::tma_prefetch_descriptor(tm_q);
-  ptx::tma_prefetch_descriptor(tm_k);
-  ptx::tma_prefetch_descriptor(tm_v);
 
+  // Q is loaded even for a tile that sees no key (n_blocks == 0): the consumers wait for it on every tile.
+  ptx::mbarrier_wait(smem.q_empty, empty_parity(tile_count));
   ptx::mbarrier_arrive_expect_tx(smem.q_full, Traits::kQBytes);
 #pragma unroll
   for (int span = 0; span < Traits::kSpans; ++span)
     ptx::tma_load_4d(smem.q + span * Traits::kBlockM * 64, tm_q, smem.q_full, span * 64, blk.m0, h, b);
 
   for (int it = 0; it < blk.n_blocks; ++it) {
-    const int stage = it % Traits::kStages;
-    const uint32_t empty_parity = ((it / Traits::kStages) & 1) ^ 1;  // the first round passes at once
+    const int use = kv_count + it;
+    const int stage = use % Traits::kStages;
+    const uint32_t parity = empty_parity(use / Traits::kStages);
     const int row0 = (blk.n_blocks - 1 - it) * Traits::kBlockN;
 
-    ptx::mbarrier_wait(&smem.k_empty[stage], empty_parity);
+    ptx::mbarrier_wait(&smem.k_empty[stage], parity);
     ptx::mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kKVBytes);
 #pragma unroll
     for (int span = 0; span < Traits::kSpans; ++span)
       ptx::tma_load_4d(smem.k_stage(stage) + span * Traits::kBlockN * 64, tm_k, &smem.k_full[stage], span * 64,
                        row0, h_kv, b);
 
-    ptx::mbarrier_wait(&smem.v_empty[stage], empty_parity);
+    ptx::mbarrier_wait(&smem.v_empty[stage], parity);
     ptx::mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kKVBytes);
 #pragma unroll
     for (int span = 0; span < Traits::kSpans; ++span)

@@ -34,9 +34,11 @@ struct FwdSm90Traits {
   using KVTile = sm80::SmemTile<kBlockN, kHeadDim>;
   static constexpr uint32_t kQBytes = QTile::kElems * 2;
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
-  static constexpr int kBarriers = 1 + 4 * kStages;
+  static constexpr int kBarriers = 2 + 4 * kStages;
   // Tiles are 1024-byte aligned (the swizzle atom); the slack covers aligning the dynamic shared memory base.
   static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
+  // The persistent launch (one block per SM, grid <= SM count) relies on two blocks never fitting on one SM.
+  static_assert(2 * kSmemBytes > 227 * 1024, "a second block per SM would leave SMs idle in the persistent grid");
 };
 
 template <typename Traits>
@@ -46,6 +48,7 @@ struct SharedStorage {
   Element* k;  // kStages K tiles
   Element* v;  // kStages V tiles
   uint64_t* q_full;
+  uint64_t* q_empty;  // the consumers are done with the Q tile, also the epilogue's O staging buffer
   uint64_t* k_full;
   uint64_t* v_full;
   uint64_t* k_empty;
@@ -60,7 +63,8 @@ struct SharedStorage {
     uint64_t* bars =
         reinterpret_cast<uint64_t*>(base + Traits::kQBytes + 2 * Traits::kStages * Traits::kKVBytes);
     q_full = bars;
-    k_full = bars + 1;
+    q_empty = bars + 1;
+    k_full = bars + 2;
     v_full = k_full + Traits::kStages;
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
