@@ -66,20 +66,30 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ptx::tma_prefetch_descriptor(&tm_q);
       ptx::tma_prefetch_descriptor(&tm_k);
       ptx::tma_prefetch_descriptor(&tm_v);
-      int tile_count = 0, kv_count = 0;
-      for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
-        const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
-        produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count);
-        kv_count += blk.n_blocks > 0 ? blk.n_blocks : 0;
+      if constexpr (Traits::kPersistent) {
+        int tile_count = 0, kv_count = 0;
+        for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
+          const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
+          produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count);
+          kv_count += blk.n_blocks > 0 ? blk.n_blocks : 0;
+        }
+      } else {
+        const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)blockIdx.x);
+        produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, 0, 0);
       }
     }
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
-    int tile_count = 0, kv_count = 0;
-    for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
-      const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
-      consume_tile<Traits>(p, blk, smem, tile_count, kv_count);
-      kv_count += blk.n_blocks > 0 ? blk.n_blocks : 0;
+    if constexpr (Traits::kPersistent) {
+      int tile_count = 0, kv_count = 0;
+      for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
+        const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
+        consume_tile<Traits>(p, blk, smem, tile_count, kv_count);
+        kv_count += blk.n_blocks > 0 ? blk.n_blocks : 0;
+      }
+    } else {  // one tile per block (the launcher's grid is the tile count): no loop-carried state to hold
+      const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)blockIdx.x);
+      consume_tile<Traits>(p, blk, smem, 0, 0);
     }
   }
 #endif

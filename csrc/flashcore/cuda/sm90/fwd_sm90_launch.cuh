@@ -44,7 +44,8 @@ void launch_fwd_tiles(const FwdParams& p, cudaStream_t stream) {
   //  - K/V of a head exceed 1 MiB: persistent blocks drift apart across heads and lose L2 reuse of K/V
   //    (4x16x8192x256: -8 %), while the prologue/epilogue are a small share of a long tile anyway.
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const bool persistent = !p.causal && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
+  const bool persistent =
+      Traits::kPersistent && !p.causal && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
   const int64_t grid = (persistent && num_tiles > num_sms) ? num_sms : num_tiles;
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, num_m_blocks,
                                                                             (int)num_tiles);

@@ -25,8 +25,23 @@ struct FwdSm90Traits {
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kNThreads = kConsumerThreads + 128;  // + the producer warpgroup
   static constexpr int kProducerRegs = Config::kProducerRegs;
-  static constexpr int kConsumerRegs = Config::kConsumerRegs;
-  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= 65536, "register file overcommitted");
+  // setmaxnreg only moves registers within what the block was given at launch: ptxas's per-thread count times
+  // the threads, that count being the __launch_bounds__ cap for these kernels (-Xptxas=-v: 168 at 384 threads).
+  // Asking for more makes setmaxnreg.inc wait forever: a 32-register producer with two 240-register consumer
+  // warpgroups hangs (found on the H100, 2026-11-23).
+  static constexpr int kLaunchRegs = (65536 / kNThreads < 255 ? 65536 / kNThreads : 255) / 8 * 8;
+  // The configured split is for the configured width; a narrower variant gives its consumers what the launch
+  // allocation leaves (at most 240), so it does not spill where the wide one fits.
+  static constexpr int kNarrowRegs = (kLaunchRegs * kNThreads - kProducerRegs * 128) / kConsumerThreads / 8 * 8;
+  static constexpr int kConsumerRegs = kWarpgroups == Config::kWarpgroups ? Config::kConsumerRegs
+                                       : kNarrowRegs < 240                 ? kNarrowRegs
+                                                                           : 240;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kNThreads,
+                "setmaxnreg split exceeds the registers the block gets at launch");
+  // The persistent tile loop costs the consumers registers (loop-carried tile and ring counters); where the
+  // accumulators leave none to spare (head dim 256: ~150 B of spills with the loop, 0 without) the kernel is
+  // built for one tile per block and the launcher never makes its grid persistent.
+  static constexpr bool kPersistent = Config::kPersistent;
   static constexpr int kSpans = kHeadDim / 64;  // TMA boxes per tile
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
 
