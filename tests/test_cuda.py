@@ -41,6 +41,19 @@ def _sdpa_lowp(q, k, v, causal, offset):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=j <= i + offset, enable_gqa=gqa).nan_to_num(0.0)
 
 
+def _check_forward(q, k, v, mask):
+    """flashcore::fwd against the float64 reference (out with flash-attn's rule, lse finite where it must be)."""
+    Sq, Sk = q.size(2), k.size(2)
+    causal = mask != "none"
+    offset = Sk - Sq if mask == "bottom_right" else 0
+    out, lse = torch.ops.flashcore.fwd(q, k, v, 1.0 / math.sqrt(q.size(-1)), causal, mask == "bottom_right")
+    ref, ref_lse = reference_attention(q, k, v, causal, None, offset)
+    assert_flash_close("out", out, ref, _sdpa_lowp(q, k, v, causal, offset))
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite)
+    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=2e-3, rtol=1e-4)
+
+
 HEAD_DIMS = [32, 40, 64, 80, 96, 128, 136, 192, 256]
 # (B, Hq, Hkv, Sq, Sk)
 SHAPES = [(2, 4, 4, 113, 113), (1, 4, 2, 1000, 777), (1, 2, 1, 1, 300), (1, 2, 2, 257, 64), (1, 2, 2, 7, 2048)]
@@ -57,14 +70,7 @@ def test_forward_grid(request, family, dtype, head_dim, shape, mask):
     q = randn((B, Hq, Sq, head_dim), dtype, g, DEV, layout=layout)
     k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=layout)
     v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=layout)
-    causal = mask != "none"
-    offset = Sk - Sq if mask == "bottom_right" else 0
-    out, lse = torch.ops.flashcore.fwd(q, k, v, 1.0 / math.sqrt(head_dim), causal, mask == "bottom_right")
-    ref, ref_lse = reference_attention(q, k, v, causal, None, offset)
-    assert_flash_close("out", out, ref, _sdpa_lowp(q, k, v, causal, offset))
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite)
-    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=2e-3, rtol=1e-4)
+    _check_forward(q, k, v, mask)
 
 
 # The sm90 launcher picks the block height (64 rows per consumer warpgroup) from the grid size: the fewest
@@ -84,14 +90,7 @@ def test_forward_block_heights(request, family, dtype, head_dim, mask, shape):
     q = randn((B, Hq, Sq, head_dim), dtype, g, DEV, layout="bshd")
     k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV)
     v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV)
-    causal = mask != "none"
-    offset = Sk - Sq if mask == "bottom_right" else 0
-    out, lse = torch.ops.flashcore.fwd(q, k, v, 1.0 / math.sqrt(head_dim), causal, mask == "bottom_right")
-    ref, ref_lse = reference_attention(q, k, v, causal, None, offset)
-    assert_flash_close("out", out, ref, _sdpa_lowp(q, k, v, causal, offset))
-    finite = torch.isfinite(ref_lse)
-    assert torch.equal(torch.isfinite(lse), finite)
-    assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=2e-3, rtol=1e-4)
+    _check_forward(q, k, v, mask)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
