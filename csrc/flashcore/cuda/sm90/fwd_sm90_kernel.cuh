@@ -1,7 +1,7 @@
 // Hopper forward kernel (sm_90a): warp-specialized, TMA-fed, wgmma FlashAttention, persistent.
 //
-// The grid has at most one block per SM; block i computes tiles i, i + gridDim.x, ... of the tile order of
-// fwd_block (heads adjacent, heaviest causal query blocks first). A tile is kBlockM = 64 x kWarpgroups query rows
+// Block i computes tiles i, i + gridDim.x, ... of fwd_block's tile order (heads adjacent, heaviest causal query
+// blocks first): several when the launcher makes the grid persistent (one block per SM), else exactly one. A tile is kBlockM = 64 x kWarpgroups query rows
 // of one (batch, head); the block has kWarpgroups + 1 warpgroups:
 //   producer (the last warpgroup, one elected thread; setmaxnreg gives its registers away):
 //     per tile, Q, then K and V tiles into a kStages-deep shared-memory ring through TMA (fwd_sm90_producer.cuh);
