@@ -155,11 +155,11 @@ BwdParams make_bwd_params(const at::Tensor& grad_out, const at::Tensor& query, c
   BwdParams p;
   static_cast<FwdParams&>(p) = make_fwd_params(query, key, value, out, lse, opts);
   p.dout = grad_out.data_ptr();
-  p.dq = grad_query.data_ptr();
+  p.dq = grad_query.defined() ? grad_query.data_ptr() : nullptr;  // undefined: a kernel that writes dQ elsewhere
   p.dk = grad_key.data_ptr();
   p.dv = grad_value.data_ptr();
   p.dout_stride = strides_of(grad_out);
-  p.dq_stride = strides_of(grad_query);
+  if (grad_query.defined()) p.dq_stride = strides_of(grad_query);
   p.dk_stride = strides_of(grad_key);
   p.dv_stride = strides_of(grad_value);
   p.deterministic = deterministic;

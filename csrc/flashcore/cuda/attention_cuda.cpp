@@ -183,11 +183,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   const at::Tensor q = aligned_for_16b_loads(query), k = aligned_for_16b_loads(key);
   const at::Tensor v = aligned_for_16b_loads(value), o = aligned_for_16b_loads(out);
   const at::Tensor dout = aligned_for_16b_loads(grad_out);
-  BwdParams pk = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
   // The fused kernel sums dQ in dq_accum (fp32) and never touches grad_query: release it until the end, so that
   // grad_query is not allocated together with dsum (peak memory at or below SDPA's; docs/PERFORMANCE.md).
-  pk.dq = nullptr;
   grad_query = at::Tensor();
+  const BwdParams pk = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
   const auto f32 = query.options().dtype(at::kFloat);
   at::Tensor dsum = at::empty({query.size(0), query.size(1), query.size(2)}, f32);
   const int64_t rows = (query.size(2) + kernel->block_m - 1) / kernel->block_m * kernel->block_m;

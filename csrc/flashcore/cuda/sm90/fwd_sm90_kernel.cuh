@@ -35,6 +35,24 @@
 
 namespace flashcore::sm90 {
 
+// Calls tile_fn(blk, tile_count, kv_count) for each tile this block computes, in order: tile_count tiles and
+// kv_count K/V ring uses came before it. Producer and consumers both walk tiles through this, so their barrier
+// phases agree. Without kPersistent the block has exactly one tile and no loop-carried state (registers).
+template <typename Traits, typename TileFn>
+__device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_blocks, int num_tiles, TileFn&& tile_fn) {
+  using Element = typename Traits::Element;
+  if constexpr (Traits::kPersistent) {
+    int tile_count = 0, kv_count = 0;
+    for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
+      const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
+      tile_fn(blk, tile_count, kv_count);
+      kv_count += blk.n_blocks;  // >= 0 (fwd_block clamps)
+    }
+  } else {
+    tile_fn(cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)blockIdx.x), 0, 0);
+  }
+}
+
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap tm_q,
@@ -59,38 +77,21 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   __syncthreads();
 
-  // Both roles walk the same tiles in the same order and count tiles and ring uses identically.
   if (threadIdx.x >= Traits::kConsumerThreads) {
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x == Traits::kConsumerThreads) {
       ptx::tma_prefetch_descriptor(&tm_q);
       ptx::tma_prefetch_descriptor(&tm_k);
       ptx::tma_prefetch_descriptor(&tm_v);
-      if constexpr (Traits::kPersistent) {
-        int tile_count = 0, kv_count = 0;
-        for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
-          const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
-          produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count);
-          kv_count += blk.n_blocks > 0 ? blk.n_blocks : 0;
-        }
-      } else {
-        const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)blockIdx.x);
-        produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, 0, 0);
-      }
+      for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
+        produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count);
+      });
     }
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
-    if constexpr (Traits::kPersistent) {
-      int tile_count = 0, kv_count = 0;
-      for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
-        const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
-        consume_tile<Traits>(p, blk, smem, tile_count, kv_count);
-        kv_count += blk.n_blocks > 0 ? blk.n_blocks : 0;
-      }
-    } else {  // one tile per block (the launcher's grid is the tile count): no loop-carried state to hold
-      const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)blockIdx.x);
-      consume_tile<Traits>(p, blk, smem, 0, 0);
-    }
+    for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
+      consume_tile<Traits>(p, blk, smem, tile_count, kv_count);
+    });
   }
 #endif
 }

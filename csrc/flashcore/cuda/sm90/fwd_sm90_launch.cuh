@@ -18,7 +18,7 @@
 namespace flashcore::sm90 {
 
 template <typename Traits>
-void launch_fwd_tiles(const FwdParams& p, cudaStream_t stream) {
+void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
   using Element = typename Traits::Element;
   auto kernel = &fwd_sm90_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
@@ -44,7 +44,6 @@ void launch_fwd_tiles(const FwdParams& p, cudaStream_t stream) {
   //  - K/V of a head exceed 1 MiB: the prologue/epilogue are a small share of a long tile (8k hdim 128: no gain),
   //    and blocks that drift apart across heads may lose L2 reuse of K/V (4x16x8192x256: -8 %, measured in a
   //    build where the loop also made head dim 256 spill; that head dim is now built without it).
-  const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const bool persistent =
       Traits::kPersistent && !p.causal && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
   const int64_t grid = (persistent && num_tiles > num_sms) ? num_sms : num_tiles;
@@ -72,11 +71,11 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int w = pick_consumer_warpgroups(p, kWide, num_sms);
   if (w == 1) {
-    launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, 1>>(p, stream);
+    launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, 1>>(p, num_sms, stream);
   } else if (w == kMid) {
-    launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kMid>>(p, stream);
+    launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kMid>>(p, num_sms, stream);
   } else {
-    launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWide>>(p, stream);
+    launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWide>>(p, num_sms, stream);
   }
 }
 
