@@ -138,18 +138,33 @@ std::string fwd_kernel_name_cuda(const at::Tensor& query, const at::Tensor& key,
   return select_family(query, key, value);
 }
 
-// The fused backward (mma.sync, every arch) runs when its head-dim tile was compiled, the device grants its shared
-// memory (sm_86/sm_89 do not, above head dim 96) and its grids fit; deterministic gradients go to the composite
-// backward, since the fused kernel sums dQ with atomics whose order varies. FLASHCORE_FORCE_BWD=composite forces
-// the composite path (tests, ablations).
-const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& query, const at::Tensor& key, bool deterministic) {
+// The fused backward runs when its head-dim tile was compiled, the device grants its shared memory (sm_86/sm_89
+// do not, above head dim 96) and its grids fit: the wgmma family (sm90) on compute capability 9.0 for the head
+// dims it has (<= 128) and tensors TMA can describe, the mma.sync family (sm80) otherwise. Deterministic gradients
+// go to the composite backward, since the fused kernels sum dQ with atomics whose order varies.
+// FLASHCORE_FORCE_BWD=composite|sm80|sm90 forces a path (tests, ablations); a forced sm90 still yields to sm80
+// where TMA rules the layout out, as the forward does.
+const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const at::Tensor& query,
+                                              const at::Tensor& key, const at::Tensor& value, bool deterministic) {
   const std::string forced = env_switch("FLASHCORE_FORCE_BWD");
-  TORCH_CHECK(forced.empty() || forced == "composite" || forced == "sm80", "flashcore: FLASHCORE_FORCE_BWD=",
-              forced, " is not a backward path (composite, sm80)");
+  TORCH_CHECK(forced.empty() || forced == "composite" || forced == "sm80" || forced == "sm90",
+              "flashcore: FLASHCORE_FORCE_BWD=", forced, " is not a backward path (composite, sm80, sm90)");
   if (deterministic || forced == "composite") return nullptr;
-  const cuda::BwdKernelEntry* entry = cuda::find_bwd_kernel("sm80", (int)query.size(3), to_dtype(query.scalar_type()));
-  if (entry == nullptr) return nullptr;
   const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.device().index());
+  const bool hopper = prop->major == 9 && prop->minor == 0;
+  const auto dtype = to_dtype(query.scalar_type());
+  const int head_dim = (int)query.size(3);
+  const cuda::BwdKernelEntry* sm90 = cuda::find_bwd_kernel("sm90", head_dim, dtype);
+  if (forced == "sm90") {
+    TORCH_CHECK(hopper, "flashcore: FLASHCORE_FORCE_BWD=sm90 needs a compute capability 9.0 GPU; ", prop->name,
+                " is ", prop->major, ".", prop->minor);
+    TORCH_CHECK(sm90 != nullptr, "flashcore: FLASHCORE_FORCE_BWD=sm90 but this build has no sm90 backward kernel "
+                "for head_dim ", head_dim, " and dtype ", c10::toString(query.scalar_type()));
+  }
+  const bool tma = tma_ready(query) && tma_ready(key) && tma_ready(value) && tma_ready(grad_out);
+  const cuda::BwdKernelEntry* entry =
+      forced != "sm80" && hopper && sm90 != nullptr && tma ? sm90 : cuda::find_bwd_kernel("sm80", head_dim, dtype);
+  if (entry == nullptr) return nullptr;
   if ((int64_t)prop->sharedMemPerBlockOptin < entry->smem_bytes) return nullptr;
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   const int64_t rows = query.size(0) * query.size(1) * query.size(2);
@@ -174,7 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
                                       opts, deterministic);
   if (bwd_is_trivial(p, grad_query, grad_key, grad_value)) return {grad_query, grad_key, grad_value};
 
-  const cuda::BwdKernelEntry* kernel = select_bwd_kernel(query, key, deterministic);
+  const cuda::BwdKernelEntry* kernel = select_bwd_kernel(grad_out, query, key, value, deterministic);
   if (kernel == nullptr) {
     cuda::bwd_composite(grad_out, query, key, value, out, lse, p, grad_query, grad_key, grad_value);
     return {grad_query, grad_key, grad_value};

@@ -86,6 +86,18 @@ struct Wgmma<{ctype}, {n}> {{
         : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
   }}
 
+  // D (64 x {n}) (+)= A (64 x 16, M-major smem: transposed) * B (16 x {n}, MN-major smem: transposed); both
+  // descriptors as for the MN-major B below (rows = K). The backward's dQ = dS K reads dS^T and K this way.
+  __device__ __forceinline__ static void ss_mn(float (&d)[{nd}], uint64_t desc_a, uint64_t desc_b,
+                                               bool accumulate) {{
+    asm volatile(
+        "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{nd + 2}, 0;\\n"
+        "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptype}.{ptype} "
+        "{dlist}, %{nd}, %{nd + 1}, p, 1, 1, 1, 1;\\n}}\\n"
+        : {outs}
+        : "l"(desc_a), "l"(desc_b), "r"((int)accumulate));
+  }}
+
   // D (64 x {n}) (+)= A (64 x 16, registers) * B (16 x {n}, MN-major smem: transposed)
   __device__ __forceinline__ static void rs(float (&d)[{nd}], const uint32_t (&a)[4], uint64_t desc_b,
                                             bool accumulate) {{

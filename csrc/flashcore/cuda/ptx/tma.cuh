@@ -23,6 +23,28 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* m
       : "memory");
 }
 
+// Adds a box of fp32 elements from shared memory into a 2-D tensor in global memory (element-wise atomic in L2),
+// as one bulk-group operation of this thread. PTX ISA "cp.reduce.async.bulk.tensor" (9.7.9.25.5.2) and the
+// bulk async-group commit/wait (9.7.9.25.6.2-3). The shared source uses the tensor map's swizzle.
+__device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, const void* smem_src, int c0, int c1) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.2d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(smem_src)), "r"(c0), "r"(c1)
+      : "memory");
+}
+__device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
+// Waits until at most N of this thread's bulk groups still read their shared-memory source.
+template <int N>
+__device__ __forceinline__ void bulk_wait_group_read() {
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+}
+// Waits until at most N of this thread's bulk groups are incomplete (their global writes done).
+template <int N>
+__device__ __forceinline__ void bulk_wait_group() {
+  asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(N) : "memory");
+}
+
 // Orders this thread's earlier generic-proxy shared-memory accesses before later async-proxy (TMA) accesses to
 // the same addresses, once a barrier has ordered the threads. PTX ISA "membar/fence" (9.7.13.4), fence.proxy.async.
 __device__ __forceinline__ void fence_proxy_async_shared() {

@@ -17,23 +17,13 @@
 #include "../sm80/fwd_sm80_mask.cuh"
 #include "../sm80/fwd_sm80_softmax.cuh"
 #include "fwd_sm90_issue_turns.cuh"
+#include "smem_desc.cuh"
 #include "fwd_sm90_traits.cuh"
 
 namespace flashcore::sm90 {
 
 // Hardware barrier shared by the consumer warpgroups only (the producer never uses it); 0 is __syncthreads.
 constexpr uint32_t kConsumerBarrier = 1;
-
-// Descriptor of k-step ks (16 columns) of a K-major tile with `rows` rows starting at tile_addr + row0 * 128.
-__device__ __forceinline__ uint64_t kmajor_desc(uint32_t tile_addr, int rows, int row0, int ks) {
-  const uint32_t addr = tile_addr + (ks / 4) * rows * 128 + row0 * 128 + (ks % 4) * 32;
-  return ptx::make_smem_desc_sw128(addr, /*leading (unused)=*/16, /*stride=*/1024);
-}
-
-// Descriptor of keys [16 kk, 16 kk + 16) of a V tile (rows = keys) read as the MN-major B operand.
-__device__ __forceinline__ uint64_t mnmajor_desc(uint32_t tile_addr, int rows, int kk) {
-  return ptx::make_smem_desc_sw128(tile_addr + kk * 16 * 128, /*leading=*/rows * 128, /*stride=*/1024);
-}
 
 // One tile (query block) of the persistent loop: tile_count tiles and kv_count K/V ring uses came before it in
 // this block, in the same order as the producer's (fwd_sm90_producer.cuh).

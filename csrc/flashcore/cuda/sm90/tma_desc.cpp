@@ -65,4 +65,18 @@ CUtensorMap make_tensor_map_bhsd(const void* base, const Strides& s, int64_t bat
   return map;
 }
 
+CUtensorMap make_tensor_map_f32_2d(void* base, int64_t rows, int64_t cols, int box_cols, int box_rows) {
+  CUtensorMap map;
+  const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
+  const cuuint64_t strides[1] = {(cuuint64_t)cols * 4};
+  const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows};
+  const cuuint32_t elem_strides[2] = {1, 1};
+  const CUresult res = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims, strides, box, elem_strides,
+                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(res == CUDA_SUCCESS, "flashcore: cuTensorMapEncodeTiled failed (CUresult ", (int)res,
+              ") for an fp32 accumulator of shape (", rows, ", ", cols, ")");
+  return map;
+}
+
 }  // namespace flashcore::sm90

@@ -22,4 +22,8 @@ bool tma_compatible(const void* base, const Strides& s, int64_t batch, int64_t h
 CUtensorMap make_tensor_map_bhsd(const void* base, const Strides& s, int64_t batch, int64_t heads, int64_t seqlen,
                                  int64_t head_dim, int box_rows, bool bf16);
 
+// Descriptor of a row-major fp32 matrix (rows x cols, rows 16-byte aligned) read or reduced into as boxes of
+// box_cols (32: one 128-byte swizzle span) x box_rows: the backward's dQ accumulator.
+CUtensorMap make_tensor_map_f32_2d(void* base, int64_t rows, int64_t cols, int box_cols, int box_rows);
+
 }  // namespace flashcore::sm90

@@ -1,0 +1,240 @@
+// Consumer warpgroups of the Hopper backward kernel. Warpgroup w owns keys [n0 + 64 w, +64) of the block and keeps
+// their dK and dV in registers. Each step (64 query rows of one head) works transposed, keys as the M dimension,
+// so that P^T and dS^T come out of the accumulators already in the A-operand layout of the dV and dK GEMMs:
+//   S^T  = K_w Q^T,  dP^T = V_w dO^T                (wgmma, both operands in shared memory)
+//   P^T  = exp2(S^T * scale_log2 - lse_log2[query])  (masked entries -> 0; rows past the end have lse = +inf)
+//   dS^T = P^T * (dP^T - dsum[query])
+//   dV_w += P^T dO,  dK_w += dS^T Q                  (wgmma, A from registers, B = the dO / Q tile read MN-major)
+//   dQ   = dS K                                      (wgmma, dS^T staged in shared memory and read M-major; the
+//                                                     warpgroups split it, see BwdSm90Traits::kDqSplitKeys)
+// and dQ is staged in shared memory and added to the fp32 accumulator in global memory by TMA reductions (one
+// thread a warpgroup issues them; the staging tile is reused once they have read it). The per-query lse/dsum of
+// the next step are loaded from global memory during this one and staged in shared memory at the step's barrier.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "../../params.h"
+#include "../fwd_block.cuh"  // tile_needs_mask
+#include "../ptx/mbarrier.cuh"
+#include "../ptx/tma.cuh"
+#include "../ptx/warpgroup.cuh"
+#include "../ptx/wgmma_sm90.cuh"
+#include "../sm80/fwd_sm80_mainloop.cuh"  // pack2
+#include "bwd_sm90_traits.cuh"
+#include "smem_desc.cuh"
+
+namespace flashcore::sm90 {
+
+// Hardware barrier of the consumer threads (the producer never uses it); 0 is __syncthreads.
+constexpr uint32_t kBwdConsumerBarrier = 1;
+
+// Offset (floats) of (row, col) in a warpgroup's dQ staging tile: two boxes of 32 columns, rows of 128 bytes
+// whose 16-byte chunks are swizzled as TMA's 128-byte mode expects (chunk c of row r at c ^ (r % 8)). A warp's
+// float2 stores (8 rows x 4 column pairs) then fall in distinct banks.
+__device__ __forceinline__ int dq_staging_offset(int row, int col) {
+  const int box = col >> 5, chunk = (col & 31) >> 2;
+  return box * (64 * 32) + row * 32 + ((chunk ^ (row & 7)) << 2) + (col & 3);
+}
+
+// Packs an m64n64 fp32 accumulator (this thread's 32 values) into the four k16 A fragments of the next GEMM.
+template <typename Element>
+__device__ __forceinline__ void pack_a_fragments(const float (&acc)[32], uint32_t (&frag)[4][4]) {
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    frag[kk][0] = sm80::pack2<Element>(acc[8 * kk + 0], acc[8 * kk + 1]);
+    frag[kk][1] = sm80::pack2<Element>(acc[8 * kk + 2], acc[8 * kk + 3]);
+    frag[kk][2] = sm80::pack2<Element>(acc[8 * kk + 4], acc[8 * kk + 5]);
+    frag[kk][3] = sm80::pack2<Element>(acc[8 * kk + 6], acc[8 * kk + 7]);
+  }
+}
+
+template <typename Traits>
+__device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& blk,
+                                            const BwdSharedStorage<Traits>& smem, const float* __restrict__ dsum,
+                                            const CUtensorMap* tm_dq) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim, kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
+  constexpr int kStages = Traits::kStages, kKSteps = kHeadDim / 16;
+  using MmaS = ptx::Wgmma<Element, kBlockM>;     // S^T, dP^T: m64 (keys) x n64 (queries)
+  using MmaKV = ptx::Wgmma<Element, kHeadDim>;   // dK, dV: m64 (keys) x n kHeadDim
+  using MmaDQ = ptx::Wgmma<Element, 64>;         // dQ: m64 (queries) x n64 (head-dim columns)
+
+  const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
+  const int lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wg = tid >> 7;
+  const int warp_row = ((tid >> 5) & 3) * 16;  // this warp's first row inside the warpgroup's 64
+  const uint32_t k_addr = ptx::smem_addr(smem.k), v_addr = ptx::smem_addr(smem.v);
+  const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
+  const int key_lo = blk.n0 + 64 * wg + warp_row + g;  // keys of this thread's accumulator rows: key_lo, key_lo + 8
+  const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
+  const int64_t dq_rows_per_head = (int64_t)num_m_blocks * kBlockM;
+  const bool dq_issuer = (tid & 127) == 0;  // one thread a warpgroup issues its dQ reductions
+  float* dq_stage = smem.dq_staging(wg);
+
+  float dk[kHeadDim / 2], dv[kHeadDim / 2];
+#pragma unroll
+  for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
+
+  // Threads 0..63 stage lse (log2 units; +inf past the end and for rows that saw no key, so P = 0 there),
+  // threads 64..127 dsum (0 past the end), of query row m0 + (tid % 64) of `step`.
+  auto load_row_stat = [&](int step) -> float {
+    const int row = blk.m0(step, kBlockM) + (tid & 63);
+    if (row >= seqlen_q) return tid < 64 ? INFINITY : 0.f;
+    const int64_t idx = (blk.b * p.heads_q + blk.head(step)) * p.seqlen_q + row;
+    if (tid >= 64) return dsum[idx];
+    const float l = p.lse[idx];
+    return l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+  };
+
+  if (blk.steps > 0) {
+    if (tid < 128) smem.row_stats_buffer(0)[tid] = load_row_stat(0);
+    ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
+    ptx::mbarrier_wait(smem.kv_full, 0);
+  }
+
+  for (int step = 0; step < blk.steps; ++step) {
+    const int stage = step % kStages;
+    const int m0 = blk.m0(step, kBlockM);
+    const int64_t h = blk.head(step);
+    const float next_stat = (tid < 128 && step + 1 < blk.steps) ? load_row_stat(step + 1) : 0.f;
+    const uint32_t q_addr = ptx::smem_addr(smem.q_stage(stage));
+    const uint32_t do_addr = ptx::smem_addr(smem.dout_stage(stage));
+    ptx::mbarrier_wait(&smem.qdo_full[stage], (step / kStages) & 1);
+
+    float s[32], dp[32];
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      MmaS::ss(s, kmajor_desc(k_addr, kBlockN, 64 * wg, ks), kmajor_desc(q_addr, kBlockM, 0, ks), ks > 0);
+    ptx::wgmma_commit();
+#pragma unroll
+    for (int ks = 0; ks < kKSteps; ++ks)
+      MmaS::ss(dp, kmajor_desc(v_addr, kBlockN, 64 * wg, ks), kmajor_desc(do_addr, kBlockM, 0, ks), ks > 0);
+    ptx::wgmma_commit();
+
+    const float* stats = smem.row_stats_buffer(step & 1);
+    ptx::wgmma_wait<1>();
+    ptx::fence_operand(s);
+    const bool needs_mask = cuda::tile_needs_mask<kBlockN>(p, m0, blk.n_block);
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+      const int col = ni * 8 + 2 * t;  // query m0 + col, m0 + col + 1
+      const float2 lse = *reinterpret_cast<const float2*>(stats + col);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * ni + e] * p.scale_log2 - ((e & 1) ? lse.y : lse.x);
+        if (needs_mask) {
+          const int key = key_lo + ((e & 2) ? 8 : 0);
+          const int64_t query = m0 + col + (e & 1);
+          if (key >= seqlen_k || (p.causal && key > query + p.causal_offset)) x = -INFINITY;
+        }
+        s[4 * ni + e] = exp2f(x);
+      }
+    }
+    ptx::wgmma_wait<0>();
+    ptx::fence_operand(dp);
+#pragma unroll
+    for (int ni = 0; ni < 8; ++ni) {
+      const float2 d = *reinterpret_cast<const float2*>(stats + kBlockM + ni * 8 + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[4 * ni + e] = s[4 * ni + e] * (dp[4 * ni + e] - ((e & 1) ? d.y : d.x));
+    }
+    uint32_t pa[4][4], dsa[4][4];
+    pack_a_fragments<Element>(s, pa);
+    pack_a_fragments<Element>(dp, dsa);
+
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dv, pa[kk], mnmajor_desc(do_addr, kBlockM, kk), true);
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dk, dsa[kk], mnmajor_desc(q_addr, kBlockM, kk), true);
+    ptx::wgmma_commit();
+
+    // dS^T to shared memory (keys = rows), the next step's lse/dsum beside it; then every consumer's writes are
+    // visible to every consumer's dQ wgmma (async proxy) through the fence and the barrier.
+    Element* ds = smem.ds_buffer(step & 1);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) {
+#pragma unroll
+      for (int f = 0; f < 4; ++f) {
+        const int row = 64 * wg + warp_row + g + ((f & 1) ? 8 : 0);
+        const int col = 16 * kk + 2 * t + ((f & 2) ? 8 : 0);
+        *reinterpret_cast<uint32_t*>(ds + Traits::DsTile::elem_offset(row, col)) = dsa[kk][f];
+      }
+    }
+    if (tid < 128 && step + 1 < blk.steps) smem.row_stats_buffer((step + 1) & 1)[tid] = next_stat;
+    if (dq_issuer) ptx::bulk_wait_group_read<0>();  // the previous step's reduction has read the staging tile
+    ptx::fence_proxy_async_shared();
+    ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
+
+    float dq[32];
+    const uint32_t ds_addr = ptx::smem_addr(ds);
+    // Split by head-dim columns: all kBlockN keys, span wg of K. Split by keys: this warpgroup's 64 keys.
+    const uint32_t ds_a = Traits::kDqSplitKeys ? ds_addr + 64 * wg * 128 : ds_addr;
+    const uint32_t k_b = Traits::kDqSplitKeys ? k_addr + 64 * wg * 128 : k_addr + wg * kBlockN * 128;
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk)
+      MmaDQ::ss_mn(dq, mnmajor_desc(ds_a, kBlockN, kk), mnmajor_desc(k_b, kBlockN, kk), kk > 0);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<0>();
+    ptx::fence_operand(dq);
+    ptx::fence_operand(dk);
+    ptx::fence_operand(dv);
+    ptx::fence_operand(pa[0]);
+    ptx::fence_operand(pa[1]);
+    ptx::fence_operand(pa[2]);
+    ptx::fence_operand(pa[3]);
+    ptx::fence_operand(dsa[0]);
+    ptx::fence_operand(dsa[1]);
+    ptx::fence_operand(dsa[2]);
+    ptx::fence_operand(dsa[3]);
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&smem.qdo_empty[stage]);
+
+    // dQ (rows: queries m0 + warp_row + g (+ 8); columns: span wg, or all when split by keys) to the staging
+    // tile, then one thread adds it to the accumulator through TMA: bulk transfers instead of 8192 atomics.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row + g + 8 * half;
+#pragma unroll
+      for (int ni = 0; ni < 8; ++ni)
+        *reinterpret_cast<float2*>(dq_stage + dq_staging_offset(row, ni * 8 + 2 * t)) =
+            make_float2(dq[4 * ni + 2 * half] * p.scale, dq[4 * ni + 2 * half + 1] * p.scale);
+    }
+    ptx::fence_proxy_async_shared();
+    ptx::named_barrier_sync(kBwdConsumerBarrier + 1 + wg, 128);
+    if (dq_issuer) {
+      const int col0 = Traits::kDqSplitKeys ? 0 : 64 * wg;
+      const int row0 = (int)((blk.b * p.heads_q + h) * dq_rows_per_head + m0);
+#pragma unroll
+      for (int box = 0; box < 2; ++box)
+        ptx::tma_reduce_add_2d(tm_dq, dq_stage + box * 64 * 32, col0 + box * Traits::kDqBoxCols, row0);
+      ptx::bulk_commit_group();
+    }
+  }
+  if (dq_issuer) ptx::bulk_wait_group<0>();
+
+  // Epilogue: dK (scaled) and dV of this thread's two keys, straight from the accumulators.
+  Element* dk_out = static_cast<Element*>(p.dk) + blk.b * p.dk_stride.batch + blk.h_kv * p.dk_stride.head;
+  Element* dv_out = static_cast<Element*>(p.dv) + blk.b * p.dv_stride.batch + blk.h_kv * p.dv_stride.head;
+  const int head_dim = (int)p.head_dim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key_lo + 8 * half;
+    if (key >= seqlen_k) continue;
+#pragma unroll
+    for (int ni = 0; ni < kHeadDim / 8; ++ni) {
+      const int col = ni * 8 + 2 * t;
+      if (col >= head_dim) continue;
+      *reinterpret_cast<uint32_t*>(dk_out + key * p.dk_stride.seq + col) =
+          sm80::pack2<Element>(dk[4 * ni + 2 * half] * p.scale, dk[4 * ni + 2 * half + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dv_out + key * p.dv_stride.seq + col) =
+          sm80::pack2<Element>(dv[4 * ni + 2 * half], dv[4 * ni + 2 * half + 1]);
+    }
+  }
+}
+
+}  // namespace flashcore::sm90

@@ -1,0 +1,63 @@
+// Hopper backward kernel (sm_90a): warp-specialized, TMA-fed, wgmma FlashAttention backward.
+//
+// One block per (key block of kBlockN = 64 x kWarpgroups keys, batch, kv head), like the mma.sync backward: the
+// block walks every step (query head of the group, 64-row query block) that can see its keys, so GQA's sum of
+// dK/dV over the group happens in registers and dK/dV are written once, without atomics. Warpgroups:
+//   producer (the last, one elected thread; setmaxnreg gives its registers away): K and V once, then Q and dO of
+//     each step into a kStages ring guarded by full/empty mbarriers (bwd_sm90_producer.cuh);
+//   consumers (64 keys each): the five GEMMs of a step on wgmma, and dQ's reduction into the fp32 accumulator
+//     (staged in shared memory, added by TMA; bwd_sm90_consumer.cuh).
+// The pre-pass (bwd_preprocess.cuh) computes dsum = rowsum(dO * O) first; dq_accum is converted to dQ after.
+#pragma once
+
+#include <cuda.h>
+
+#include "../../params.h"
+#include "../ptx/mbarrier.cuh"
+#include "../ptx/tma.cuh"
+#include "../ptx/warpgroup.cuh"
+#include "bwd_sm90_consumer.cuh"
+#include "bwd_sm90_producer.cuh"
+#include "bwd_sm90_traits.cuh"
+
+namespace flashcore::sm90 {
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads, 1)
+    bwd_sm90_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ CUtensorMap tm_q,
+                    const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
+                    const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_dq,
+                    const float* __restrict__ dsum, const int num_n_blocks) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)
+  extern __shared__ unsigned char smem_raw[];
+  BwdSharedStorage<Traits> smem(smem_raw);
+
+  if (threadIdx.x == 0) {
+    ptx::mbarrier_init(smem.kv_full, 1);
+#pragma unroll
+    for (int s = 0; s < Traits::kStages; ++s) {
+      ptx::mbarrier_init(&smem.qdo_full[s], 1);
+      ptx::mbarrier_init(&smem.qdo_empty[s], Traits::kConsumerWarps);
+    }
+    ptx::fence_barrier_init();
+  }
+  __syncthreads();
+
+  const BwdBlock blk = bwd_block<Traits::kBlockM, Traits::kBlockN>(p, num_n_blocks);
+  if (threadIdx.x >= Traits::kConsumerThreads) {
+    ptx::setmaxnreg_dec<Traits::kProducerRegs>();
+    if (threadIdx.x == Traits::kConsumerThreads) {
+      ptx::tma_prefetch_descriptor(&tm_q);
+      ptx::tma_prefetch_descriptor(&tm_k);
+      ptx::tma_prefetch_descriptor(&tm_v);
+      ptx::tma_prefetch_descriptor(&tm_do);
+      produce_bwd<Traits>(blk, smem, &tm_q, &tm_k, &tm_v, &tm_do);
+    }
+  } else {
+    ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
+    consume_bwd<Traits>(p, blk, smem, dsum, &tm_dq);
+  }
+#endif
+}
+
+}  // namespace flashcore::sm90

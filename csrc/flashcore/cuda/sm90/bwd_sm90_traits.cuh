@@ -1,0 +1,130 @@
+// Compile-time shape of the Hopper backward kernel, the key/query blocks it walks, and its shared memory.
+#pragma once
+
+#include <cstdint>
+
+#include "../../params.h"
+#include "../sm80/smem_tile.cuh"
+#include "bwd_sm90_config.cuh"
+
+namespace flashcore::sm90 {
+
+template <int kHeadDim_, typename Element_>
+struct BwdSm90Traits {
+  using Element = Element_;
+  using Config = BwdSm90Config<kHeadDim_>;
+  static constexpr int kHeadDim = kHeadDim_;
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "wgmma tiles use 64-element swizzle spans");
+  static constexpr int kWarpgroups = Config::kWarpgroups;  // consumers, 64 keys each
+  static constexpr int kBlockN = 64 * kWarpgroups;         // keys of a block
+  static constexpr int kBlockM = 64;                       // query rows of one step
+  static constexpr int kStages = Config::kStages;
+  static constexpr int kConsumerThreads = 128 * kWarpgroups;
+  static constexpr int kConsumerWarps = kConsumerThreads / 32;
+  static constexpr int kNThreads = kConsumerThreads + 128;
+  static constexpr int kProducerRegs = Config::kProducerRegs;
+  static constexpr int kConsumerRegs = Config::kConsumerRegs;
+  // setmaxnreg moves registers only within the launch allocation (see FwdSm90Traits::kLaunchRegs).
+  static constexpr int kLaunchRegs = (65536 / kNThreads < 255 ? 65536 / kNThreads : 255) / 8 * 8;
+  static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kNThreads,
+                "setmaxnreg split exceeds the registers the block gets at launch");
+  static constexpr int kSpans = kHeadDim / 64;  // TMA boxes per Q/dO/K/V tile
+
+  // dQ = dS K for the step's 64 queries is split between the warpgroups by head-dim columns when that gives each
+  // one 64-column span (all keys of the block; needs every warpgroup's dS), otherwise by keys (each warpgroup
+  // its own 64 keys and every column; the partial sums meet in the fp32 dQ accumulator).
+  static constexpr bool kDqSplitKeys = kHeadDim != 64 * kWarpgroups;
+  static constexpr int kDqKeys = kDqSplitKeys ? 64 : kBlockN;  // K extent of one warpgroup's dQ GEMM
+  static_assert(kDqSplitKeys ? kHeadDim == 64 : kHeadDim / kWarpgroups == 64, "dQ GEMM is m64n64");
+
+  using QTile = sm80::SmemTile<kBlockM, kHeadDim>;   // Q and dO: rows = queries
+  using KVTile = sm80::SmemTile<kBlockN, kHeadDim>;  // K and V: rows = keys
+  using DsTile = sm80::SmemTile<kBlockN, kBlockM>;   // dS^T: rows = keys, one 64-query span
+  static constexpr uint32_t kQBytes = QTile::kElems * 2;
+  static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
+  static constexpr uint32_t kDsBytes = DsTile::kElems * 2;
+  static constexpr uint32_t kRowStatBytes = 2 * kBlockM * 4;  // per query: lse (log2 units), rowsum(dO * O)
+  // Each warpgroup's dQ (64 queries x 64 columns, fp32) is staged as two 32-column boxes in the 128-byte swizzle
+  // and added to the global accumulator by TMA (cp.reduce.async.bulk.tensor).
+  static constexpr int kDqBoxCols = 32;
+  static constexpr uint32_t kDqWgBytes = kBlockM * 64 * 4;
+  static constexpr int kBarriers = 1 + 2 * kStages;
+  // Tiles are 1024-byte aligned (the swizzle atom); the first 1024 bytes cover aligning the dynamic base.
+  static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes +
+                                    kWarpgroups * kDqWgBytes + 2 * kRowStatBytes + 8 * kBarriers;
+  static_assert(kSmemBytes <= 227 * 1024, "shared memory");
+};
+
+template <typename Traits>
+struct BwdSharedStorage {
+  using Element = typename Traits::Element;
+  Element* k;
+  Element* v;
+  Element* q;     // kStages Q tiles
+  Element* dout;  // kStages dO tiles
+  Element* ds;    // 2 dS^T tiles (by step parity)
+  float* dq;      // kWarpgroups dQ staging tiles
+  float* row_stats;  // 2 x [lse_log2 (64) | dsum (64)] (by step parity)
+  uint64_t* kv_full;
+  uint64_t* qdo_full;   // kStages
+  uint64_t* qdo_empty;  // kStages
+
+  __device__ __forceinline__ explicit BwdSharedStorage(unsigned char* raw) {
+    unsigned char* base =
+        reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    k = reinterpret_cast<Element*>(base);
+    v = reinterpret_cast<Element*>(base + Traits::kKVBytes);
+    q = reinterpret_cast<Element*>(base + 2 * Traits::kKVBytes);
+    dout = reinterpret_cast<Element*>(base + 2 * Traits::kKVBytes + Traits::kStages * Traits::kQBytes);
+    ds = reinterpret_cast<Element*>(base + 2 * Traits::kKVBytes + 2 * Traits::kStages * Traits::kQBytes);
+    unsigned char* dq_base = base + 2 * Traits::kKVBytes + 2 * Traits::kStages * Traits::kQBytes + 2 * Traits::kDsBytes;
+    dq = reinterpret_cast<float*>(dq_base);
+    unsigned char* tail = dq_base + Traits::kWarpgroups * Traits::kDqWgBytes;
+    row_stats = reinterpret_cast<float*>(tail);
+    uint64_t* bars = reinterpret_cast<uint64_t*>(tail + 2 * Traits::kRowStatBytes);
+    kv_full = bars;
+    qdo_full = bars + 1;
+    qdo_empty = qdo_full + Traits::kStages;
+  }
+  __device__ __forceinline__ Element* q_stage(int s) const { return q + s * Traits::QTile::kElems; }
+  __device__ __forceinline__ Element* dout_stage(int s) const { return dout + s * Traits::QTile::kElems; }
+  __device__ __forceinline__ Element* ds_buffer(int parity) const { return ds + parity * Traits::DsTile::kElems; }
+  __device__ __forceinline__ float* dq_staging(int wg) const { return dq + wg * (Traits::kDqWgBytes / 4); }
+  __device__ __forceinline__ float* row_stats_buffer(int parity) const { return row_stats + parity * 2 * Traits::kBlockM; }
+};
+
+// The work of one block: kBlockN keys of one (batch, kv head), and the steps (query head of the group, query
+// block) that can see them, in order. Producer and consumers derive the same sequence from it.
+struct BwdBlock {
+  int n_block, n0;
+  int64_t b, h_kv, group;
+  int m_begin, m_count;  // query blocks [m_begin, m_begin + m_count) of every head of the group
+  int steps;             // group * m_count
+
+  __device__ __forceinline__ int64_t head(int step) const { return h_kv * group + step / m_count; }
+  __device__ __forceinline__ int m0(int step, int block_m) const { return (m_begin + step % m_count) * block_m; }
+};
+
+// Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first.
+template <int kBlockM, int kBlockN>
+__device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p, int num_n_blocks) {
+  BwdBlock blk;
+  blk.n_block = (int)(blockIdx.x % num_n_blocks);
+  const int64_t bhkv = blockIdx.x / num_n_blocks;
+  blk.b = bhkv / p.heads_kv;
+  blk.h_kv = bhkv % p.heads_kv;
+  blk.group = p.group;
+  blk.n0 = blk.n_block * kBlockN;
+  const int num_m_blocks = (int)((p.seqlen_q + kBlockM - 1) / kBlockM);
+  // With a causal mask, rows i >= n0 - causal_offset are the first to see a key of the block.
+  blk.m_begin = 0;
+  if (p.causal) {
+    const int64_t first_row = (int64_t)blk.n0 - p.causal_offset;
+    blk.m_begin = first_row <= 0 ? 0 : (int)(first_row / kBlockM < num_m_blocks ? first_row / kBlockM : num_m_blocks);
+  }
+  blk.m_count = num_m_blocks - blk.m_begin;
+  blk.steps = (int)(p.group * blk.m_count);
+  return blk;
+}
+
+}  // namespace flashcore::sm90
