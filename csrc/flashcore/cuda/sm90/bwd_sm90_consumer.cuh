@@ -4,9 +4,10 @@
 //   S^T  = K_w Q^T,  dP^T = V_w dO^T                (wgmma, both operands in shared memory)
 //   P^T  = exp2(S^T * scale_log2 - lse_log2[query])  (masked entries -> 0; rows past the end have lse = +inf)
 //   dS^T = P^T * (dP^T - dsum[query])
-//   dV_w += P^T dO,  dK_w += dS^T Q                  (wgmma, A from registers, B = the dO / Q tile read MN-major)
+//   dV_w += P^T dO                                   (wgmma, A from registers, B = the dO tile read MN-major)
 //   dQ   = dS K                                      (wgmma, dS^T staged in shared memory and read M-major; the
 //                                                     warpgroups split it, see BwdSm90Traits::kDqSplitKeys)
+//   dK_w += dS^T Q                                   (like dV; issued last, so it hides dQ's staging)
 // and dQ is staged in shared memory and added to the fp32 accumulator in global memory by TMA reductions (one
 // thread a warpgroup issues them; the staging tile is reused once they have read it). The per-query lse/dsum of
 // the next step are loaded from global memory during this one and staged in shared memory at the step's barrier.
@@ -78,18 +79,20 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
   // Threads 0..63 stage lse (log2 units; +inf past the end and for rows that saw no key, so P = 0 there),
-  // threads 64..127 dsum (0 past the end), of query row m0 + (tid % 64) of `step`.
+  // threads 64..127 dsum (0 past the end), of query row m0 + (tid % 64) of `step`. The load is issued a step
+  // ahead and converted only when staged, so no warp waits on it (the conversion would pull the wait forward).
   auto load_row_stat = [&](int step) -> float {
     const int row = blk.m0(step, kBlockM) + (tid & 63);
-    if (row >= seqlen_q) return tid < 64 ? INFINITY : 0.f;
+    if (row >= seqlen_q) return tid < 64 ? -INFINITY : 0.f;
     const int64_t idx = (blk.b * p.heads_q + blk.head(step)) * p.seqlen_q + row;
-    if (tid >= 64) return dsum[idx];
-    const float l = p.lse[idx];
-    return l == -INFINITY ? INFINITY : l * 1.4426950408889634f;
+    return tid < 64 ? p.lse[idx] : dsum[idx];
+  };
+  auto stage_row_stat = [&](int parity, float raw) {
+    smem.row_stats_buffer(parity)[tid] = tid >= 64 ? raw : raw == -INFINITY ? INFINITY : raw * 1.4426950408889634f;
   };
 
   if (blk.steps > 0) {
-    if (tid < 128) smem.row_stats_buffer(0)[tid] = load_row_stat(0);
+    if (tid < 128) stage_row_stat(0, load_row_stat(0));
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
     ptx::mbarrier_wait(smem.kv_full, 0);
   }
@@ -148,8 +151,6 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dv, pa[kk], mnmajor_desc(do_addr, kBlockM, kk), true);
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dk, dsa[kk], mnmajor_desc(q_addr, kBlockM, kk), true);
     ptx::wgmma_commit();
 
     // dS^T to shared memory (keys = rows), the next step's lse/dsum beside it; then every consumer's writes are
@@ -164,7 +165,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
         *reinterpret_cast<uint32_t*>(ds + Traits::DsTile::elem_offset(row, col)) = dsa[kk][f];
       }
     }
-    if (tid < 128 && step + 1 < blk.steps) smem.row_stats_buffer((step + 1) & 1)[tid] = next_stat;
+    if (tid < 128 && step + 1 < blk.steps) stage_row_stat((step + 1) & 1, next_stat);
     if (dq_issuer) ptx::bulk_wait_group_read<0>();  // the previous step's reduction has read the staging tile
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
@@ -179,20 +180,15 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk)
       MmaDQ::ss_mn(dq, mnmajor_desc(ds_a, kBlockN, kk), mnmajor_desc(k_b, kBlockN, kk), kk > 0);
     ptx::wgmma_commit();
-    ptx::wgmma_wait<0>();
+    // dK last: it runs on the tensor cores while dQ is staged and handed to TMA below.
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dk, dsa[kk], mnmajor_desc(q_addr, kBlockM, kk), true);
+    ptx::wgmma_commit();
+    ptx::wgmma_wait<1>();  // groups retire in order: dV and dQ are done
     ptx::fence_operand(dq);
-    ptx::fence_operand(dk);
     ptx::fence_operand(dv);
-    ptx::fence_operand(pa[0]);
-    ptx::fence_operand(pa[1]);
-    ptx::fence_operand(pa[2]);
-    ptx::fence_operand(pa[3]);
-    ptx::fence_operand(dsa[0]);
-    ptx::fence_operand(dsa[1]);
-    ptx::fence_operand(dsa[2]);
-    ptx::fence_operand(dsa[3]);
-    __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive(&smem.qdo_empty[stage]);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) ptx::fence_operand(pa[kk]);
 
     // dQ (rows: queries m0 + warp_row + g (+ 8); columns: span wg, or all when split by keys) to the staging
     // tile, then one thread adds it to the accumulator through TMA: bulk transfers instead of 8192 atomics.
@@ -214,6 +210,12 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
         ptx::tma_reduce_add_2d(tm_dq, dq_stage + box * 64 * 32, col0 + box * Traits::kDqBoxCols, row0);
       ptx::bulk_commit_group();
     }
+    ptx::wgmma_wait<0>();
+    ptx::fence_operand(dk);
+#pragma unroll
+    for (int kk = 0; kk < 4; ++kk) ptx::fence_operand(dsa[kk]);
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&smem.qdo_empty[stage]);  // Q and dO of this stage are no longer read
   }
   if (dq_issuer) ptx::bulk_wait_group<0>();
 

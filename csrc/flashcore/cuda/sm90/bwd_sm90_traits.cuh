@@ -70,8 +70,9 @@ struct BwdSharedStorage {
   uint64_t* qdo_empty;  // kStages
 
   __device__ __forceinline__ explicit BwdSharedStorage(unsigned char* raw) {
-    unsigned char* base =
-        reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+    // Pointer arithmetic on raw (not an integer round trip) keeps the pointers provably in shared memory, so
+    // the compiler emits LDS/STS rather than generic loads and stores.
+    unsigned char* base = raw + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(raw)) & 1023u)) & 1023u);
     k = reinterpret_cast<Element*>(base);
     v = reinterpret_cast<Element*>(base + Traits::kKVBytes);
     q = reinterpret_cast<Element*>(base + 2 * Traits::kKVBytes);
