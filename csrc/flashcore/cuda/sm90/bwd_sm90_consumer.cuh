@@ -4,7 +4,8 @@
 //   S^T  = K_w Q^T,  dP^T = V_w dO^T                (wgmma, both operands in shared memory)
 //   P^T  = exp2(S^T * scale_log2 - lse_log2[query])  (masked entries -> 0; rows past the end have lse = +inf)
 //   dS^T = P^T * (dP^T - dsum[query])
-//   dV_w += P^T dO                                   (wgmma, A from registers, B = the dO tile read MN-major)
+//   dV_w += P^T dO                                   (wgmma, A from registers, B = the dO tile read MN-major;
+//                                                     issued before dS is computed)
 //   dQ   = dS K                                      (wgmma, dS^T staged in shared memory and read M-major; the
 //                                                     warpgroups split it, see BwdSm90Traits::kDqSplitKeys)
 //   dK_w += dS^T Q                                   (like dV; issued last, so it hides dQ's staging)
@@ -136,7 +137,15 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
         s[4 * ni + e] = exp2f(x);
       }
     }
-    ptx::wgmma_wait<0>();
+    // dV needs only P: it goes to the tensor cores behind dP^T, and runs while dS is computed.
+    uint32_t pa[4][4], dsa[4][4];
+    pack_a_fragments<Element>(s, pa);
+    ptx::wgmma_fence();
+#pragma unroll
+    for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dv, pa[kk], mnmajor_desc(do_addr, kBlockM, kk), true);
+    ptx::wgmma_commit();
+
+    ptx::wgmma_wait<1>();  // groups retire in order: dP^T is done, dV may still run
     ptx::fence_operand(dp);
 #pragma unroll
     for (int ni = 0; ni < 8; ++ni) {
@@ -144,14 +153,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[4 * ni + e] = s[4 * ni + e] * (dp[4 * ni + e] - ((e & 1) ? d.y : d.x));
     }
-    uint32_t pa[4][4], dsa[4][4];
-    pack_a_fragments<Element>(s, pa);
     pack_a_fragments<Element>(dp, dsa);
-
-    ptx::wgmma_fence();
-#pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dv, pa[kk], mnmajor_desc(do_addr, kBlockM, kk), true);
-    ptx::wgmma_commit();
 
     // dS^T to shared memory (keys = rows), the next step's lse/dsum beside it; then every consumer's writes are
     // visible to every consumer's dQ wgmma (async proxy) through the fence and the barrier.
