@@ -1,7 +1,8 @@
 // Consumer warpgroups of the Hopper backward kernel. Warpgroup w owns keys [n0 + 64 w, +64) of the block and keeps
 // their dK and dV in registers. Each step (64 query rows of one head) works transposed, keys as the M dimension,
-// so that P^T and dS^T come out of the accumulators already in the A-operand layout of the dV and dK GEMMs:
-//   S^T  = K_w Q^T,  dP^T = V_w dO^T                (wgmma, both operands in shared memory)
+// so that P^T and dS^T come out of the accumulators already in the A-operand layout of the dV and dK GEMMs
+// (a step is kBlockM = 64 or 128 query rows of one head):
+//   S^T  = K_w Q^T,  dP^T = V_w dO^T                (wgmma, both operands in shared memory; kBlockM queries)
 //   P^T  = exp2(S^T * scale_log2 - lse_log2[query])  (masked entries -> 0; rows past the end have lse = +inf)
 //   dS^T = P^T * (dP^T - dsum[query])
 //   dV_w += P^T dO                                   (wgmma, A from registers, B = the dO tile read MN-major;
@@ -32,19 +33,20 @@ namespace flashcore::sm90 {
 // Hardware barrier of the consumer threads (the producer never uses it); 0 is __syncthreads.
 constexpr uint32_t kBwdConsumerBarrier = 1;
 
-// Offset (floats) of (row, col) in a warpgroup's dQ staging tile: two boxes of 32 columns, rows of 128 bytes
-// whose 16-byte chunks are swizzled as TMA's 128-byte mode expects (chunk c of row r at c ^ (r % 8)). A warp's
-// float2 stores (8 rows x 4 column pairs) then fall in distinct banks.
+// Offset (floats) of (row, col) in a warpgroup's dQ staging tile (kRows queries x 64 columns): two boxes of 32
+// columns, rows of 128 bytes whose 16-byte chunks are swizzled as TMA's 128-byte mode expects (chunk c of row r
+// at c ^ (r % 8)). A warp's float2 stores (8 rows x 4 column pairs) then fall in distinct banks.
+template <int kRows>
 __device__ __forceinline__ int dq_staging_offset(int row, int col) {
   const int box = col >> 5, chunk = (col & 31) >> 2;
-  return box * (64 * 32) + row * 32 + ((chunk ^ (row & 7)) << 2) + (col & 3);
+  return box * (kRows * 32) + row * 32 + ((chunk ^ (row & 7)) << 2) + (col & 3);
 }
 
-// Packs an m64n64 fp32 accumulator (this thread's 32 values) into the four k16 A fragments of the next GEMM.
-template <typename Element>
-__device__ __forceinline__ void pack_a_fragments(const float (&acc)[32], uint32_t (&frag)[4][4]) {
+// Packs an m64nN fp32 accumulator (this thread's N / 2 values) into the N / 16 k16 A fragments of the next GEMM.
+template <typename Element, int kVals>
+__device__ __forceinline__ void pack_a_fragments(const float (&acc)[kVals], uint32_t (&frag)[kVals / 8][4]) {
 #pragma unroll
-  for (int kk = 0; kk < 4; ++kk) {
+  for (int kk = 0; kk < kVals / 8; ++kk) {
     frag[kk][0] = sm80::pack2<Element>(acc[8 * kk + 0], acc[8 * kk + 1]);
     frag[kk][1] = sm80::pack2<Element>(acc[8 * kk + 2], acc[8 * kk + 3]);
     frag[kk][2] = sm80::pack2<Element>(acc[8 * kk + 4], acc[8 * kk + 5]);
@@ -59,7 +61,10 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim, kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kKSteps = kHeadDim / 16;
-  using MmaS = ptx::Wgmma<Element, kBlockM>;     // S^T, dP^T: m64 (keys) x n64 (queries)
+  constexpr int kSVals = kBlockM / 2, kQTiles = kBlockM / 8, kQSteps = kBlockM / 16;  // S^T: n8 tiles, k16 steps
+  constexpr int kRowStatThreads = 2 * kBlockM;
+  static_assert(kRowStatThreads <= Traits::kConsumerThreads, "one thread per staged lse/dsum value");
+  using MmaS = ptx::Wgmma<Element, kBlockM>;     // S^T, dP^T: m64 (keys) x n kBlockM (queries)
   using MmaKV = ptx::Wgmma<Element, kHeadDim>;   // dK, dV: m64 (keys) x n kHeadDim
   using MmaDQ = ptx::Wgmma<Element, 64>;         // dQ: m64 (queries) x n64 (head-dim columns)
 
@@ -79,21 +84,21 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  // Threads 0..63 stage lse (log2 units; +inf past the end and for rows that saw no key, so P = 0 there),
-  // threads 64..127 dsum (0 past the end), of query row m0 + (tid % 64) of `step`. The load is issued a step
-  // ahead and converted only when staged, so no warp waits on it (the conversion would pull the wait forward).
+  // Threads [0, kBlockM) stage lse (log2 units; +inf past the end and for rows that saw no key, so P = 0 there),
+  // threads [kBlockM, 2 kBlockM) dsum (0 past the end), of query row m0 + tid % kBlockM of `step`. The load is
+  // issued a step ahead and converted only when staged, so no warp waits on it (converting it at once would).
   auto load_row_stat = [&](int step) -> float {
-    const int row = blk.m0(step, kBlockM) + (tid & 63);
-    if (row >= seqlen_q) return tid < 64 ? -INFINITY : 0.f;
+    const int row = blk.m0(step, kBlockM) + tid % kBlockM;
+    if (row >= seqlen_q) return tid < kBlockM ? -INFINITY : 0.f;
     const int64_t idx = (blk.b * p.heads_q + blk.head(step)) * p.seqlen_q + row;
-    return tid < 64 ? p.lse[idx] : dsum[idx];
+    return tid < kBlockM ? p.lse[idx] : dsum[idx];
   };
   auto stage_row_stat = [&](int parity, float raw) {
-    smem.row_stats_buffer(parity)[tid] = tid >= 64 ? raw : raw == -INFINITY ? INFINITY : raw * 1.4426950408889634f;
+    smem.row_stats_buffer(parity)[tid] = tid >= kBlockM ? raw : raw == -INFINITY ? INFINITY : raw * 1.4426950408889634f;
   };
 
   if (blk.steps > 0) {
-    if (tid < 128) stage_row_stat(0, load_row_stat(0));
+    if (tid < kRowStatThreads) stage_row_stat(0, load_row_stat(0));
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
     ptx::mbarrier_wait(smem.kv_full, 0);
   }
@@ -102,12 +107,12 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     const int stage = step % kStages;
     const int m0 = blk.m0(step, kBlockM);
     const int64_t h = blk.head(step);
-    const float next_stat = (tid < 128 && step + 1 < blk.steps) ? load_row_stat(step + 1) : 0.f;
+    const float next_stat = (tid < kRowStatThreads && step + 1 < blk.steps) ? load_row_stat(step + 1) : 0.f;
     const uint32_t q_addr = ptx::smem_addr(smem.q_stage(stage));
     const uint32_t do_addr = ptx::smem_addr(smem.dout_stage(stage));
     ptx::mbarrier_wait(&smem.qdo_full[stage], (step / kStages) & 1);
 
-    float s[32], dp[32];
+    float s[kSVals], dp[kSVals];
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
@@ -123,7 +128,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     ptx::fence_operand(s);
     const bool needs_mask = cuda::tile_needs_mask<kBlockN>(p, m0, blk.n_block);
 #pragma unroll
-    for (int ni = 0; ni < 8; ++ni) {
+    for (int ni = 0; ni < kQTiles; ++ni) {
       const int col = ni * 8 + 2 * t;  // query m0 + col, m0 + col + 1
       const float2 lse = *reinterpret_cast<const float2*>(stats + col);
 #pragma unroll
@@ -137,29 +142,41 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
         s[4 * ni + e] = exp2f(x);
       }
     }
-    // dV needs only P: it goes to the tensor cores behind dP^T, and runs while dS is computed.
-    uint32_t pa[4][4], dsa[4][4];
-    pack_a_fragments<Element>(s, pa);
-    ptx::wgmma_fence();
+    // dV needs only P: with 64-row steps it goes to the tensor cores behind dP^T and runs while dS is computed.
+    // With 128-row steps P, dP and P's fragments would not fit in registers together: dV waits for dS.
+    constexpr bool kDvBeforeDs = kBlockM == 64;
+    uint32_t pa[kQSteps][4], dsa[kQSteps][4];
+    auto issue_dv = [&] {
+      ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dv, pa[kk], mnmajor_desc(do_addr, kBlockM, kk), true);
-    ptx::wgmma_commit();
-
-    ptx::wgmma_wait<1>();  // groups retire in order: dP^T is done, dV may still run
+      for (int kk = 0; kk < kQSteps; ++kk) MmaKV::rs(dv, pa[kk], mnmajor_desc(do_addr, kBlockM, kk), true);
+      ptx::wgmma_commit();
+    };
+    if constexpr (kDvBeforeDs) {
+      pack_a_fragments<Element>(s, pa);
+      issue_dv();
+      ptx::wgmma_wait<1>();  // groups retire in order: dP^T is done, dV may still run
+    } else {
+      ptx::wgmma_wait<0>();
+    }
     ptx::fence_operand(dp);
 #pragma unroll
-    for (int ni = 0; ni < 8; ++ni) {
+    for (int ni = 0; ni < kQTiles; ++ni) {
       const float2 d = *reinterpret_cast<const float2*>(stats + kBlockM + ni * 8 + 2 * t);
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[4 * ni + e] = s[4 * ni + e] * (dp[4 * ni + e] - ((e & 1) ? d.y : d.x));
+    }
+    if constexpr (!kDvBeforeDs) {
+      pack_a_fragments<Element>(s, pa);
+      issue_dv();
     }
     pack_a_fragments<Element>(dp, dsa);
 
     // dS^T to shared memory (keys = rows), the next step's lse/dsum beside it; then every consumer's writes are
     // visible to every consumer's dQ wgmma (async proxy) through the fence and the barrier.
-    Element* ds = smem.ds_buffer(step & 1);
+    Element* ds = smem.ds_buffer(step);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) {
+    for (int kk = 0; kk < kQSteps; ++kk) {
 #pragma unroll
       for (int f = 0; f < 4; ++f) {
         const int row = 64 * wg + warp_row + g + ((f & 1) ? 8 : 0);
@@ -167,40 +184,55 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
         *reinterpret_cast<uint32_t*>(ds + Traits::DsTile::elem_offset(row, col)) = dsa[kk][f];
       }
     }
-    if (tid < 128 && step + 1 < blk.steps) stage_row_stat((step + 1) & 1, next_stat);
+    if (tid < kRowStatThreads && step + 1 < blk.steps) stage_row_stat((step + 1) & 1, next_stat);
     if (dq_issuer) ptx::bulk_wait_group_read<0>();  // the previous step's reduction has read the staging tile
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
 
-    float dq[32];
+    // dQ of kDqMTiles m64 query tiles (a 64-query span of dS^T each). Split by head-dim columns: all kBlockN
+    // keys, span wg of K. Split by keys: this warpgroup's 64 keys, all columns.
+    constexpr int kDqMTiles = kBlockM / 64;
+    if constexpr (!kDvBeforeDs) {
+      ptx::wgmma_wait<0>();  // dV has retired (it ran during the barrier): P's fragments make room for dQ
+#pragma unroll
+      for (int kk = 0; kk < kQSteps; ++kk) ptx::fence_operand(pa[kk]);
+    }
+    float dq[kDqMTiles][32];
     const uint32_t ds_addr = ptx::smem_addr(ds);
-    // Split by head-dim columns: all kBlockN keys, span wg of K. Split by keys: this warpgroup's 64 keys.
     const uint32_t ds_a = Traits::kDqSplitKeys ? ds_addr + 64 * wg * 128 : ds_addr;
     const uint32_t k_b = Traits::kDqSplitKeys ? k_addr + 64 * wg * 128 : k_addr + wg * kBlockN * 128;
     ptx::wgmma_fence();
 #pragma unroll
-    for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk)
-      MmaDQ::ss_mn(dq, mnmajor_desc(ds_a, kBlockN, kk), mnmajor_desc(k_b, kBlockN, kk), kk > 0);
+    for (int mt = 0; mt < kDqMTiles; ++mt) {
+#pragma unroll
+      for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk)
+        MmaDQ::ss_mn(dq[mt], mnmajor_desc(ds_a + mt * kBlockN * 128, kBlockN, kk), mnmajor_desc(k_b, kBlockN, kk),
+                     kk > 0);
+    }
     ptx::wgmma_commit();
     // dK last: it runs on the tensor cores while dQ is staged and handed to TMA below.
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dk, dsa[kk], mnmajor_desc(q_addr, kBlockM, kk), true);
     ptx::wgmma_commit();
     ptx::wgmma_wait<1>();  // groups retire in order: dV and dQ are done
-    ptx::fence_operand(dq);
+#pragma unroll
+    for (int mt = 0; mt < kDqMTiles; ++mt) ptx::fence_operand(dq[mt]);
     ptx::fence_operand(dv);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) ptx::fence_operand(pa[kk]);
+    for (int kk = 0; kk < kQSteps; ++kk) ptx::fence_operand(pa[kk]);
 
-    // dQ (rows: queries m0 + warp_row + g (+ 8); columns: span wg, or all when split by keys) to the staging
-    // tile, then one thread adds it to the accumulator through TMA: bulk transfers instead of 8192 atomics.
+    // dQ (rows: queries m0 + 64 mt + warp_row + g (+ 8); columns: span wg, or all when split by keys) to the
+    // staging tile, then one thread adds it to the accumulator through TMA: bulk transfers instead of 8192 atomics.
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_row + g + 8 * half;
+    for (int mt = 0; mt < kDqMTiles; ++mt) {
 #pragma unroll
-      for (int ni = 0; ni < 8; ++ni)
-        *reinterpret_cast<float2*>(dq_stage + dq_staging_offset(row, ni * 8 + 2 * t)) =
-            make_float2(dq[4 * ni + 2 * half] * p.scale, dq[4 * ni + 2 * half + 1] * p.scale);
+      for (int half = 0; half < 2; ++half) {
+        const int row = 64 * mt + warp_row + g + 8 * half;
+#pragma unroll
+        for (int ni = 0; ni < 8; ++ni)
+          *reinterpret_cast<float2*>(dq_stage + dq_staging_offset<kBlockM>(row, ni * 8 + 2 * t)) =
+              make_float2(dq[mt][4 * ni + 2 * half] * p.scale, dq[mt][4 * ni + 2 * half + 1] * p.scale);
+      }
     }
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kBwdConsumerBarrier + 1 + wg, 128);
@@ -209,13 +241,13 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
       const int row0 = (int)((blk.b * p.heads_q + h) * dq_rows_per_head + m0);
 #pragma unroll
       for (int box = 0; box < 2; ++box)
-        ptx::tma_reduce_add_2d(tm_dq, dq_stage + box * 64 * 32, col0 + box * Traits::kDqBoxCols, row0);
+        ptx::tma_reduce_add_2d(tm_dq, dq_stage + box * kBlockM * 32, col0 + box * Traits::kDqBoxCols, row0);
       ptx::bulk_commit_group();
     }
     ptx::wgmma_wait<0>();
     ptx::fence_operand(dk);
 #pragma unroll
-    for (int kk = 0; kk < 4; ++kk) ptx::fence_operand(dsa[kk]);
+    for (int kk = 0; kk < kQSteps; ++kk) ptx::fence_operand(dsa[kk]);
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&smem.qdo_empty[stage]);  // Q and dO of this stage are no longer read
   }

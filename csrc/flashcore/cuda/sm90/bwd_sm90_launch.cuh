@@ -46,7 +46,7 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
 
   const int64_t dq_rows = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM * Traits::kBlockM;
   const CUtensorMap tm_dq = make_tensor_map_f32_2d(dq_accum, p.batch * p.heads_q * dq_rows, kHeadDim,
-                                                   Traits::kDqBoxCols, Traits::kBlockM);
+                                                   Traits::kDqBoxCols, Traits::kDqBoxRows);
   const int num_n_blocks = (int)((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
   const int64_t grid = (int64_t)num_n_blocks * p.batch * p.heads_kv;  // the dispatcher checked grid <= INT32_MAX
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq,

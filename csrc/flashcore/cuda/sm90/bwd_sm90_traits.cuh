@@ -17,7 +17,8 @@ struct BwdSm90Traits {
   static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "wgmma tiles use 64-element swizzle spans");
   static constexpr int kWarpgroups = Config::kWarpgroups;  // consumers, 64 keys each
   static constexpr int kBlockN = 64 * kWarpgroups;         // keys of a block
-  static constexpr int kBlockM = 64;                       // query rows of one step
+  static constexpr int kBlockM = Config::kBlockM;          // query rows of one step
+  static_assert(kBlockM == 64 || kBlockM == 128, "a step is one or two m64 query tiles");
   static constexpr int kStages = Config::kStages;
   static constexpr int kConsumerThreads = 128 * kWarpgroups;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
@@ -39,18 +40,22 @@ struct BwdSm90Traits {
 
   using QTile = sm80::SmemTile<kBlockM, kHeadDim>;   // Q and dO: rows = queries
   using KVTile = sm80::SmemTile<kBlockN, kHeadDim>;  // K and V: rows = keys
-  using DsTile = sm80::SmemTile<kBlockN, kBlockM>;   // dS^T: rows = keys, one 64-query span
+  using DsTile = sm80::SmemTile<kBlockN, kBlockM>;   // dS^T: rows = keys, 64-query spans
   static constexpr uint32_t kQBytes = QTile::kElems * 2;
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
   static constexpr uint32_t kDsBytes = DsTile::kElems * 2;
   static constexpr uint32_t kRowStatBytes = 2 * kBlockM * 4;  // per query: lse (log2 units), rowsum(dO * O)
   // Each warpgroup's dQ (64 queries x 64 columns, fp32) is staged as two 32-column boxes in the 128-byte swizzle
   // and added to the global accumulator by TMA (cp.reduce.async.bulk.tensor).
-  static constexpr int kDqBoxCols = 32;
+  static constexpr int kDqBoxCols = 32, kDqBoxRows = kBlockM;
   static constexpr uint32_t kDqWgBytes = kBlockM * 64 * 4;
+  // dS^T is double-buffered by step parity where the warpgroups read each other's rows (dQ split by columns): a
+  // fast warpgroup may write step i + 1's while the other still reads step i's. Split by keys, each reads only
+  // the rows it wrote, after its own previous dQ GEMM retired: one buffer.
+  static constexpr int kDsBuffers = kDqSplitKeys ? 1 : 2;
   static constexpr int kBarriers = 1 + 2 * kStages;
   // Tiles are 1024-byte aligned (the swizzle atom); the first 1024 bytes cover aligning the dynamic base.
-  static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + 2 * kStages * kQBytes + 2 * kDsBytes +
+  static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
                                     kWarpgroups * kDqWgBytes + 2 * kRowStatBytes + 8 * kBarriers;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
@@ -62,7 +67,7 @@ struct BwdSharedStorage {
   Element* v;
   Element* q;     // kStages Q tiles
   Element* dout;  // kStages dO tiles
-  Element* ds;    // 2 dS^T tiles (by step parity)
+  Element* ds;    // kDsBuffers dS^T tiles
   float* dq;      // kWarpgroups dQ staging tiles
   float* row_stats;  // 2 x [lse_log2 (64) | dsum (64)] (by step parity)
   uint64_t* kv_full;
@@ -78,7 +83,8 @@ struct BwdSharedStorage {
     q = reinterpret_cast<Element*>(base + 2 * Traits::kKVBytes);
     dout = reinterpret_cast<Element*>(base + 2 * Traits::kKVBytes + Traits::kStages * Traits::kQBytes);
     ds = reinterpret_cast<Element*>(base + 2 * Traits::kKVBytes + 2 * Traits::kStages * Traits::kQBytes);
-    unsigned char* dq_base = base + 2 * Traits::kKVBytes + 2 * Traits::kStages * Traits::kQBytes + 2 * Traits::kDsBytes;
+    unsigned char* dq_base =
+        base + 2 * Traits::kKVBytes + 2 * Traits::kStages * Traits::kQBytes + Traits::kDsBuffers * Traits::kDsBytes;
     dq = reinterpret_cast<float*>(dq_base);
     unsigned char* tail = dq_base + Traits::kWarpgroups * Traits::kDqWgBytes;
     row_stats = reinterpret_cast<float*>(tail);
@@ -89,7 +95,9 @@ struct BwdSharedStorage {
   }
   __device__ __forceinline__ Element* q_stage(int s) const { return q + s * Traits::QTile::kElems; }
   __device__ __forceinline__ Element* dout_stage(int s) const { return dout + s * Traits::QTile::kElems; }
-  __device__ __forceinline__ Element* ds_buffer(int parity) const { return ds + parity * Traits::DsTile::kElems; }
+  __device__ __forceinline__ Element* ds_buffer(int step) const {
+    return ds + (step % Traits::kDsBuffers) * Traits::DsTile::kElems;
+  }
   __device__ __forceinline__ float* dq_staging(int wg) const { return dq + wg * (Traits::kDqWgBytes / 4); }
   __device__ __forceinline__ float* row_stats_buffer(int parity) const { return row_stats + parity * 2 * Traits::kBlockM; }
 };
