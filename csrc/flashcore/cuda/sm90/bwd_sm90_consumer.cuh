@@ -166,11 +166,11 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[4 * ni + e] = s[4 * ni + e] * (dp[4 * ni + e] - ((e & 1) ? d.y : d.x));
     }
+    pack_a_fragments<Element>(dp, dsa);
     if constexpr (!kDvBeforeDs) {
       pack_a_fragments<Element>(s, pa);
       issue_dv();
     }
-    pack_a_fragments<Element>(dp, dsa);
 
     // dS^T to shared memory (keys = rows), the next step's lse/dsum beside it; then every consumer's writes are
     // visible to every consumer's dQ wgmma (async proxy) through the fence and the barrier.
