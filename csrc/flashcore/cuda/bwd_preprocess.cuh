@@ -1,15 +1,21 @@
-// Backward pre-pass shared by the fused backward kernels: dsum[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d]
-// in fp32 (the row term of dS = P * (dP - dsum)). One warp per row; each lane reads 16-byte chunks.
+// Backward pre-pass shared by the fused backward kernels, one pass over the query rows:
+//   dsum[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32 (the row term of dS = P * (dP - dsum)), and
+//   the fp32 dQ accumulator zeroed (the kernels add into it), padded rows included.
+// One warp per row; each lane reads 16-byte chunks, two rows at a time so that more loads are in flight.
 #pragma once
 
 #include <cuda_runtime_api.h>
+
+#include <cstdint>
 
 #include "../params.h"
 
 namespace flashcore::cuda {
 
 // p.dout, p.out and their strides, p.batch, p.heads_q, p.seqlen_q and p.head_dim are read; dsum is contiguous
-// (batch, heads_q, seqlen_q). Both 16-bit dtypes; `bf16` picks the element type.
-void launch_bwd_dsum(const BwdParams& p, bool bf16, float* dsum, cudaStream_t stream);
+// (batch, heads_q, seqlen_q); dq_accum is (batch * heads_q, dq_rows, dq_cols) with dq_rows >= seqlen_q and
+// dq_cols a multiple of 4. Both 16-bit dtypes; `bf16` picks the element type.
+void launch_bwd_prepass(const BwdParams& p, bool bf16, float* dsum, float* dq_accum, int64_t dq_rows, int dq_cols,
+                        cudaStream_t stream);
 
 }  // namespace flashcore::cuda
