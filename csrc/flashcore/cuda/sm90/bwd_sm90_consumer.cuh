@@ -26,6 +26,7 @@
 #include "../ptx/wgmma_sm90.cuh"
 #include "../sm80/fwd_sm80_mainloop.cuh"  // pack2
 #include "bwd_sm90_traits.cuh"
+#include "fwd_sm90_producer.cuh"  // empty_parity
 #include "smem_desc.cuh"
 
 namespace flashcore::sm90 {
@@ -57,7 +58,7 @@ __device__ __forceinline__ void pack_a_fragments(const float (&acc)[kVals], uint
 template <typename Traits>
 __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& blk,
                                             const BwdSharedStorage<Traits>& smem, const float* __restrict__ dsum,
-                                            const CUtensorMap* tm_dq) {
+                                            const CUtensorMap* /*tm_dq: the dQ writer's*/) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim, kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kKSteps = kHeadDim / 16;
@@ -77,7 +78,6 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   const int key_lo = blk.n0 + 64 * wg + warp_row + g;  // keys of this thread's accumulator rows: key_lo, key_lo + 8
   const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
   const int64_t dq_rows_per_head = (int64_t)num_m_blocks * kBlockM;
-  const bool dq_issuer = (tid & 127) == 0;  // one thread a warpgroup issues its dQ reductions
   float* dq_stage = smem.dq_staging(wg);
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
@@ -185,7 +185,6 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
       }
     }
     if (tid < kRowStatThreads && step + 1 < blk.steps) stage_row_stat((step + 1) & 1, next_stat);
-    if (dq_issuer) ptx::bulk_wait_group_read<0>();  // the previous step's reduction has read the staging tile
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
 
@@ -222,7 +221,9 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     for (int kk = 0; kk < kQSteps; ++kk) ptx::fence_operand(pa[kk]);
 
     // dQ (rows: queries m0 + 64 mt + warp_row + g (+ 8); columns: span wg, or all when split by keys) to the
-    // staging tile, then one thread adds it to the accumulator through TMA: bulk transfers instead of 8192 atomics.
+    // staging tile; each warp then signals dq_full, and the dQ writer (bwd_sm90_producer.cuh) adds the tile to the
+    // accumulator through TMA: bulk transfers instead of 8192 atomics, and no consumer waits for another.
+    ptx::mbarrier_wait(&smem.dq_empty[wg], empty_parity(step));  // the writer has read the previous step's
 #pragma unroll
     for (int mt = 0; mt < kDqMTiles; ++mt) {
 #pragma unroll
@@ -235,15 +236,8 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
       }
     }
     ptx::fence_proxy_async_shared();
-    ptx::named_barrier_sync(kBwdConsumerBarrier + 1 + wg, 128);
-    if (dq_issuer) {
-      const int col0 = Traits::kDqSplitKeys ? 0 : 64 * wg;
-      const int row0 = (int)((blk.b * p.heads_q + h) * dq_rows_per_head + m0);
-#pragma unroll
-      for (int box = 0; box < 2; ++box)
-        ptx::tma_reduce_add_2d(tm_dq, dq_stage + box * kBlockM * 32, col0 + box * Traits::kDqBoxCols, row0);
-      ptx::bulk_commit_group();
-    }
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&smem.dq_full[wg]);
     ptx::wgmma_wait<0>();
     ptx::fence_operand(dk);
 #pragma unroll
@@ -251,7 +245,6 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&smem.qdo_empty[stage]);  // Q and dO of this stage are no longer read
   }
-  if (dq_issuer) ptx::bulk_wait_group<0>();
 
   // Epilogue: dK (scaled) and dV of this thread's two keys, straight from the accumulators.
   Element* dk_out = static_cast<Element*>(p.dk) + blk.b * p.dk_stride.batch + blk.h_kv * p.dk_stride.head;

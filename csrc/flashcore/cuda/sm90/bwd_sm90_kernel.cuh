@@ -5,8 +5,10 @@
 // dK/dV over the group happens in registers and dK/dV are written once, without atomics. Warpgroups:
 //   producer (the last, one elected thread; setmaxnreg gives its registers away): K and V once, then Q and dO of
 //     each step into a kStages ring guarded by full/empty mbarriers (bwd_sm90_producer.cuh);
-//   consumers (64 keys each): the five GEMMs of a step on wgmma, and dQ's reduction into the fp32 accumulator
-//     (staged in shared memory, added by TMA; bwd_sm90_consumer.cuh).
+//   consumers (64 keys each): the five GEMMs of a step on wgmma; dQ is staged in shared memory
+//     (bwd_sm90_consumer.cuh);
+//   dQ writer (one thread of the producer warpgroup's second warp): adds each staged dQ tile to the fp32
+//     accumulator with TMA reductions (bwd_sm90_producer.cuh).
 // The pre-pass (bwd_preprocess.cuh) computes dsum = rowsum(dO * O) first; dq_accum is converted to dQ after.
 #pragma once
 
@@ -39,6 +41,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ptx::mbarrier_init(&smem.qdo_full[s], 1);
       ptx::mbarrier_init(&smem.qdo_empty[s], Traits::kConsumerWarps);
     }
+#pragma unroll
+    for (int w = 0; w < Traits::kWarpgroups; ++w) {
+      ptx::mbarrier_init(&smem.dq_full[w], 4);
+      ptx::mbarrier_init(&smem.dq_empty[w], 1);
+    }
     ptx::fence_barrier_init();
   }
   __syncthreads();
@@ -52,6 +59,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ptx::tma_prefetch_descriptor(&tm_v);
       ptx::tma_prefetch_descriptor(&tm_do);
       produce_bwd<Traits>(blk, smem, &tm_q, &tm_k, &tm_v, &tm_do);
+    } else if (threadIdx.x == Traits::kConsumerThreads + 32) {
+      ptx::tma_prefetch_descriptor(&tm_dq);
+      write_dq_bwd<Traits>(p, blk, smem, &tm_dq);
     }
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();

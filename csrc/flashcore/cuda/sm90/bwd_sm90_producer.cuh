@@ -40,4 +40,42 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
   }
 }
 
+// The dQ writer (one thread of the producer warpgroup's second warp): per step and consumer warpgroup, once the
+// warpgroup's 4 warps have staged their dQ (dq_full), adds the staging tile (two 32-column boxes) to the fp32
+// accumulator with TMA reductions, and releases the tile (dq_empty) once TMA has read it.
+template <typename Traits>
+__device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock& blk,
+                                             const BwdSharedStorage<Traits>& smem, const CUtensorMap* tm_dq) {
+  constexpr int kBlockM = Traits::kBlockM, kW = Traits::kWarpgroups;
+  // The accumulator row of the step's first query, walked incrementally (this thread has 24 registers): the
+  // steps run over the query blocks of one head, then the next head of the group.
+  const int dq_rows_per_head = (int)((p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM);
+  const int head_row0 = (int)((blk.b * p.heads_q + blk.h_kv * blk.group) * dq_rows_per_head);
+  int row0 = head_row0 + blk.m_begin * kBlockM, m_left = blk.m_count;
+  for (int step = 0; step < blk.steps; ++step) {
+#pragma unroll
+    for (int wg = 0; wg < kW; ++wg) {
+      ptx::mbarrier_wait(&smem.dq_full[wg], step & 1);
+      const int col0 = Traits::kDqSplitKeys ? 0 : 64 * wg;
+#pragma unroll
+      for (int box = 0; box < 2; ++box)
+        ptx::tma_reduce_add_2d(tm_dq, smem.dq_staging(wg) + box * kBlockM * 32, col0 + box * Traits::kDqBoxCols,
+                               row0);
+      ptx::bulk_commit_group();
+    }
+    // Groups complete in order: release each warpgroup's tile as soon as its reduction has read it.
+    static_assert(kW == 2, "release order below is written for two consumer warpgroups");
+    ptx::bulk_wait_group_read<1>();
+    ptx::mbarrier_arrive(&smem.dq_empty[0]);
+    ptx::bulk_wait_group_read<0>();
+    ptx::mbarrier_arrive(&smem.dq_empty[1]);
+    row0 += kBlockM;
+    if (--m_left == 0) {  // next head of the group
+      m_left = blk.m_count;
+      row0 += dq_rows_per_head - blk.m_count * kBlockM;
+    }
+  }
+  ptx::bulk_wait_group<0>();
+}
+
 }  // namespace flashcore::sm90

@@ -53,7 +53,7 @@ struct BwdSm90Traits {
   // fast warpgroup may write step i + 1's while the other still reads step i's. Split by keys, each reads only
   // the rows it wrote, after its own previous dQ GEMM retired: one buffer.
   static constexpr int kDsBuffers = kDqSplitKeys ? 1 : 2;
-  static constexpr int kBarriers = 1 + 2 * kStages;
+  static constexpr int kBarriers = 1 + 2 * kStages + 2 * kWarpgroups;
   // Tiles are 1024-byte aligned (the swizzle atom); the first 1024 bytes cover aligning the dynamic base.
   static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
                                     kWarpgroups * kDqWgBytes + 2 * kRowStatBytes + 8 * kBarriers;
@@ -73,6 +73,8 @@ struct BwdSharedStorage {
   uint64_t* kv_full;
   uint64_t* qdo_full;   // kStages
   uint64_t* qdo_empty;  // kStages
+  uint64_t* dq_full;    // kWarpgroups: a warpgroup's dQ is staged (its 4 warps arrive)
+  uint64_t* dq_empty;   // kWarpgroups: the dQ writer's reduction has read the staging tile
 
   __device__ __forceinline__ explicit BwdSharedStorage(unsigned char* raw) {
     // Pointer arithmetic on raw (not an integer round trip) keeps the pointers provably in shared memory, so
@@ -92,6 +94,8 @@ struct BwdSharedStorage {
     kv_full = bars;
     qdo_full = bars + 1;
     qdo_empty = qdo_full + Traits::kStages;
+    dq_full = qdo_empty + Traits::kStages;
+    dq_empty = dq_full + Traits::kWarpgroups;
   }
   __device__ __forceinline__ Element* q_stage(int s) const { return q + s * Traits::QTile::kElems; }
   __device__ __forceinline__ Element* dout_stage(int s) const { return dout + s * Traits::QTile::kElems; }
