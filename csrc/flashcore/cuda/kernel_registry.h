@@ -15,8 +15,8 @@ enum class DType { kFp16, kBf16 };
 
 using FwdLaunchFn = void (*)(const FwdParams&, cudaStream_t);
 // dsum: (batch * heads_q * seqlen_q) fp32 rowsum(dO * O) from the pre-pass; dq_accum: (batch * heads_q,
-// seqlen_q rounded up to block_m, head_dim_tile) fp32, zeroed, receives dQ (already multiplied by the softmax
-// scale); padded so that every query block's dQ tile is one contiguous range.
+// seqlen_q rounded up to block_m, head_dim_tile or head_dim: BwdKernelEntry::dq_cols_exact) fp32, zeroed,
+// receives dQ (already multiplied by the softmax scale); padded so that every query block's dQ tile is whole.
 using BwdLaunchFn = void (*)(const BwdParams&, const float* dsum, float* dq_accum, cudaStream_t);
 
 struct FwdKernelEntry {
@@ -33,6 +33,8 @@ struct BwdKernelEntry {
   int smem_bytes;  // dynamic shared memory a block needs: the dispatcher checks it against the device's limit
   int block_m;     // query rows per tile: dq_accum's row padding
   BwdLaunchFn launch;
+  // dq_accum's columns: head_dim itself (the kernel's TMA reductions drop columns past it), else head_dim_tile.
+  bool dq_cols_exact = false;
 };
 
 // Return true so that they can initialize a namespace-scope constant in an instantiation file.

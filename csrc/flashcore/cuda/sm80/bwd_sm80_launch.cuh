@@ -14,6 +14,9 @@
 
 namespace flashcore::sm80 {
 
+// dq_accum has head_dim_tile columns: the kernel indexes it with kHeadDim.
+constexpr bool kBwdDqColsExact = false;
+
 template <int kHeadDim, typename Element>
 constexpr int bwd_smem_bytes() {
   return BwdKernelTraits<kHeadDim, Element>::kSmemBytes;

@@ -16,6 +16,10 @@
 
 namespace flashcore::sm90 {
 
+// dq_accum has exactly head_dim columns: the TMA reductions drop the tile's columns past it (a padded head dim,
+// e.g. 96 in the 128 tile, so the accumulator is no larger than the mma.sync family's).
+constexpr bool kBwdDqColsExact = true;
+
 template <int kHeadDim, typename Element>
 constexpr int bwd_smem_bytes() {
   return BwdSm90Traits<kHeadDim, Element>::kSmemBytes;
@@ -45,7 +49,7 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
                                                 Traits::kBlockN, kBf16);
 
   const int64_t dq_rows = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM * Traits::kBlockM;
-  const CUtensorMap tm_dq = make_tensor_map_f32_2d(dq_accum, p.batch * p.heads_q * dq_rows, kHeadDim,
+  const CUtensorMap tm_dq = make_tensor_map_f32_2d(dq_accum, p.batch * p.heads_q * dq_rows, p.head_dim,
                                                    Traits::kDqBoxCols, Traits::kDqBoxRows);
   const int num_n_blocks = (int)((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
   const int64_t grid = (int64_t)num_n_blocks * p.batch * p.heads_kv;  // the dispatcher checked grid <= INT32_MAX
