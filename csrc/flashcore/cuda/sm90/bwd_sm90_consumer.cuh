@@ -1,18 +1,18 @@
 // Consumer warpgroups of the Hopper backward kernel. Warpgroup w owns keys [n0 + 64 w, +64) of the block and keeps
-// their dK and dV in registers. Each step (64 query rows of one head) works transposed, keys as the M dimension,
-// so that P^T and dS^T come out of the accumulators already in the A-operand layout of the dV and dK GEMMs
-// (a step is kBlockM = 64 or 128 query rows of one head):
-//   S^T  = K_w Q^T,  dP^T = V_w dO^T                (wgmma, both operands in shared memory; kBlockM queries)
+// their dK and dV in registers. A step (kBlockM = 64 or 128 query rows of one head) works transposed, keys as the
+// M dimension, so that P^T and dS^T come out of the accumulators already in the A-operand layout of the dV and dK
+// GEMMs:
+//   S^T  = K_w Q^T,  dP^T = V_w dO^T                (wgmma, both operands in shared memory)
 //   P^T  = exp2(S^T * scale_log2 - lse_log2[query])  (masked entries -> 0; rows past the end have lse = +inf)
 //   dS^T = P^T * (dP^T - dsum[query])
 //   dV_w += P^T dO                                   (wgmma, A from registers, B = the dO tile read MN-major;
-//                                                     issued before dS is computed)
+//                                                     issued before dS is computed where registers allow)
 //   dQ   = dS K                                      (wgmma, dS^T staged in shared memory and read M-major; the
 //                                                     warpgroups split it, see BwdSm90Traits::kDqSplitKeys)
 //   dK_w += dS^T Q                                   (like dV; issued last, so it hides dQ's staging)
-// and dQ is staged in shared memory and added to the fp32 accumulator in global memory by TMA reductions (one
-// thread a warpgroup issues them; the staging tile is reused once they have read it). The per-query lse/dsum of
-// the next step are loaded from global memory during this one and staged in shared memory at the step's barrier.
+// dQ is staged in shared memory for the dQ writer (bwd_sm90_producer.cuh), which adds it to the fp32 accumulator
+// in global memory with TMA reductions. The per-query lse/dsum of the next step are loaded from global memory
+// during this one and staged in shared memory at the step's barrier.
 #pragma once
 
 #include <cmath>
@@ -76,8 +76,6 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   const uint32_t k_addr = ptx::smem_addr(smem.k), v_addr = ptx::smem_addr(smem.v);
   const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
   const int key_lo = blk.n0 + 64 * wg + warp_row + g;  // keys of this thread's accumulator rows: key_lo, key_lo + 8
-  const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
-  const int64_t dq_rows_per_head = (int64_t)num_m_blocks * kBlockM;
   float* dq_stage = smem.dq_staging(wg);
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
@@ -106,7 +104,6 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   for (int step = 0; step < blk.steps; ++step) {
     const int stage = step % kStages;
     const int m0 = blk.m0(step, kBlockM);
-    const int64_t h = blk.head(step);
     const float next_stat = (tid < kRowStatThreads && step + 1 < blk.steps) ? load_row_stat(step + 1) : 0.f;
     const uint32_t q_addr = ptx::smem_addr(smem.q_stage(stage));
     const uint32_t do_addr = ptx::smem_addr(smem.dout_stage(stage));
