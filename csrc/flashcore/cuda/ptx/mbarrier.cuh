@@ -48,4 +48,8 @@ __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
       : "memory");
 }
 
+// Phase parity to wait for on an "empty" barrier before use number `use` of the resource it guards (a fresh
+// barrier counts as having completed the phase of parity 1, so use 0 passes at once).
+__device__ __forceinline__ uint32_t empty_parity(int use) { return (use & 1) ^ 1; }
+
 }  // namespace flashcore::ptx

@@ -26,7 +26,6 @@
 #include "../ptx/wgmma_sm90.cuh"
 #include "../sm80/fwd_sm80_mainloop.cuh"  // pack2
 #include "bwd_sm90_traits.cuh"
-#include "fwd_sm90_producer.cuh"  // empty_parity
 #include "smem_desc.cuh"
 
 namespace flashcore::sm90 {
@@ -220,7 +219,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     // dQ (rows: queries m0 + 64 mt + warp_row + g (+ 8); columns: span wg, or all when split by keys) to the
     // staging tile; each warp then signals dq_full, and the dQ writer (bwd_sm90_producer.cuh) adds the tile to the
     // accumulator through TMA: bulk transfers instead of 8192 atomics, and no consumer waits for another.
-    ptx::mbarrier_wait(&smem.dq_empty[wg], empty_parity(step));  // the writer has read the previous step's
+    ptx::mbarrier_wait(&smem.dq_empty[wg], ptx::empty_parity(step));  // the writer has read the previous step's
 #pragma unroll
     for (int mt = 0; mt < kDqMTiles; ++mt) {
 #pragma unroll

@@ -9,7 +9,6 @@
 #include "../ptx/mbarrier.cuh"
 #include "../ptx/tma.cuh"
 #include "bwd_sm90_traits.cuh"
-#include "fwd_sm90_producer.cuh"  // empty_parity
 
 namespace flashcore::sm90 {
 
@@ -28,7 +27,7 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
   for (int step = 0; step < blk.steps; ++step) {
     const int stage = step % Traits::kStages;
     const int h = (int)blk.head(step), m0 = blk.m0(step, Traits::kBlockM);
-    ptx::mbarrier_wait(&smem.qdo_empty[stage], empty_parity(step / Traits::kStages));
+    ptx::mbarrier_wait(&smem.qdo_empty[stage], ptx::empty_parity(step / Traits::kStages));
     ptx::mbarrier_arrive_expect_tx(&smem.qdo_full[stage], 2 * Traits::kQBytes);
 #pragma unroll
     for (int span = 0; span < Traits::kSpans; ++span) {

@@ -15,9 +15,6 @@
 
 namespace flashcore::sm90 {
 
-// Phase parity that a producer waits for on an "empty" barrier before its use number `use` of the resource
-// (a fresh barrier counts as having completed the phase of parity 1, so use 0 passes at once).
-__device__ __forceinline__ uint32_t empty_parity(int use) { return (use & 1) ^ 1; }
 
 template <typename Traits>
 __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::FwdBlock<typename Traits::Element>& blk,
@@ -29,7 +26,7 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
   const int h_kv = (int)(h / p.group);
 
   // Q is loaded even for a tile that sees no key (n_blocks == 0): the consumers wait for it on every tile.
-  ptx::mbarrier_wait(smem.q_empty, empty_parity(tile_count));
+  ptx::mbarrier_wait(smem.q_empty, ptx::empty_parity(tile_count));
   ptx::mbarrier_arrive_expect_tx(smem.q_full, Traits::kQBytes);
 #pragma unroll
   for (int span = 0; span < Traits::kSpans; ++span)
@@ -38,7 +35,7 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
   for (int it = 0; it < blk.n_blocks; ++it) {
     const int use = kv_count + it;
     const int stage = use % Traits::kStages;
-    const uint32_t parity = empty_parity(use / Traits::kStages);
+    const uint32_t parity = ptx::empty_parity(use / Traits::kStages);
     const int row0 = (blk.n_blocks - 1 - it) * Traits::kBlockN;
 
     ptx::mbarrier_wait(&smem.k_empty[stage], parity);
