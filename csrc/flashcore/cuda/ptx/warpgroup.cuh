@@ -19,6 +19,13 @@ __device__ __forceinline__ void setmaxnreg_inc() {
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kRegs));
 }
 
+// Registers a thread of a `threads`-thread block gets at launch under __launch_bounds__(threads, 1): the 64K
+// register file divided evenly, at most 255, in setmaxnreg's granularity of 8. setmaxnreg only moves registers
+// within this allocation; a split asking for more makes setmaxnreg.inc wait forever.
+constexpr int launch_regs_per_thread(int threads) {
+  return (65536 / threads < 255 ? 65536 / threads : 255) / 8 * 8;
+}
+
 // Synchronizes `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is __syncthreads).
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "../../params.h"
+#include "../ptx/warpgroup.cuh"
 #include "../sm80/smem_tile.cuh"
 #include "bwd_sm90_config.cuh"
 
@@ -25,8 +26,8 @@ struct BwdSm90Traits {
   static constexpr int kNThreads = kConsumerThreads + 128;
   static constexpr int kProducerRegs = Config::kProducerRegs;
   static constexpr int kConsumerRegs = Config::kConsumerRegs;
-  // setmaxnreg moves registers only within the launch allocation (see FwdSm90Traits::kLaunchRegs).
-  static constexpr int kLaunchRegs = (65536 / kNThreads < 255 ? 65536 / kNThreads : 255) / 8 * 8;
+  // setmaxnreg moves registers only within the launch allocation (ptx::launch_regs_per_thread).
+  static constexpr int kLaunchRegs = ptx::launch_regs_per_thread(kNThreads);
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kNThreads,
                 "setmaxnreg split exceeds the registers the block gets at launch");
   static constexpr int kSpans = kHeadDim / 64;  // TMA boxes per Q/dO/K/V tile

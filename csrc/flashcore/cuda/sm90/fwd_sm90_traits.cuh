@@ -3,6 +3,7 @@
 
 #include <cstdint>
 
+#include "../ptx/warpgroup.cuh"
 #include "../sm80/smem_tile.cuh"
 #include "fwd_sm90_config.cuh"
 
@@ -29,7 +30,7 @@ struct FwdSm90Traits {
   // the threads, that count being the __launch_bounds__ cap for these kernels (-Xptxas=-v: 168 at 384 threads).
   // Asking for more makes setmaxnreg.inc wait forever: a 32-register producer with two 240-register consumer
   // warpgroups hangs (found on the H100, 2026-11-23).
-  static constexpr int kLaunchRegs = (65536 / kNThreads < 255 ? 65536 / kNThreads : 255) / 8 * 8;
+  static constexpr int kLaunchRegs = ptx::launch_regs_per_thread(kNThreads);
   // The configured split is for the configured width; a narrower variant gives its consumers what the launch
   // allocation leaves (at most 240), so it does not spill where the wide one fits.
   static constexpr int kNarrowRegs = (kLaunchRegs * kNThreads - kProducerRegs * 128) / kConsumerThreads / 8 * 8;
