@@ -192,14 +192,6 @@ def bwd_path(request, monkeypatch):
     return request.param
 
 
-SM90_BWD_MAX_HEAD_DIM = 128  # larger head dims have no sm90 backward kernel (registers): forcing it is an error
-
-
-def _skip_unsupported_bwd(bwd_path, head_dim):
-    if bwd_path == "sm90" and head_dim > SM90_BWD_MAX_HEAD_DIM:
-        pytest.skip(f"the sm90 backward covers head dims <= {SM90_BWD_MAX_HEAD_DIM}")
-
-
 BWD_HEAD_DIMS = [32, 64, 80, 128, 192, 256]
 # (B, Hq, Hkv, Sq, Sk): equal lengths, GQA with Sq < Sk, one query row, Sq > Sk (rows that see no key when
 # bottom-right aligned)
@@ -221,7 +213,6 @@ def _check_grads(got, q, k, v, dout, causal, offset, dtype):
 @pytest.mark.parametrize("shape", BWD_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
 def test_backward(request, bwd_path, dtype, head_dim, shape, mask):
-    _skip_unsupported_bwd(bwd_path, head_dim)
     B, Hq, Hkv, Sq, Sk = shape
     g = make_generator(request, DEV)
     q = randn((B, Hq, Sq, head_dim), dtype, g, DEV).requires_grad_()
@@ -270,16 +261,6 @@ def test_backward_large_and_one_hot(request, bwd_path):
     dout = randn((1, 4, 2100, 128), torch.float16, g, DEV)
     got = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=True), (q, k, v), dout)
     _check_grads(got, q, k, v, dout, True, 0, torch.float16)
-
-
-def test_backward_forced_sm90_without_kernel_is_an_error(monkeypatch):
-    if "sm90" not in _families():
-        pytest.skip("the sm90 backward needs a compute capability 9.0 GPU")
-    monkeypatch.setenv("FLASHCORE_FORCE_BWD", "sm90")
-    q = torch.randn(1, 2, 64, 192, device=DEV, dtype=torch.float16, requires_grad=True)
-    out = flashcore.attention(q, q, q)
-    with pytest.raises(RuntimeError, match="FLASHCORE_FORCE_BWD=sm90"):
-        out.sum().backward()
 
 
 @pytest.mark.parametrize("how", ["argument", "global"])

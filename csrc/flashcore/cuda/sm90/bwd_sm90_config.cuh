@@ -1,9 +1,12 @@
-// Tile shapes of the Hopper backward kernel per head-dim tile: consumer warpgroups per block (64 keys each),
-// query rows per step (kBlockM), stages of the Q/dO ring, and the setmaxnreg split (producer warpgroup /
-// consumers). A consumer thread holds dK and dV of its 64 keys (2 x kHeadDim / 2 fp32 registers), S^T and dP^T of
-// one step (2 x kBlockM / 2), then dQ (kBlockM / 2): head dims above 128 do not fit and keep the mma.sync
-// backward. Head dim 64 takes 128-row steps: its GEMMs are half as deep, and a step's fixed costs (barriers,
-// fences, the dQ hand-off) would otherwise weigh twice as much.
+// Tile shapes of the Hopper backward kernel per head-dim tile: consumer warpgroups per block, query rows per step
+// (kBlockM), stages of the Q and dO rings, and the setmaxnreg split (producer warpgroup / consumers).
+// Up to head dim 128 each consumer warpgroup owns 64 keys and holds their whole dK and dV (2 x kHeadDim / 2 fp32
+// registers a thread), S^T and dP^T of one step (2 x kBlockM / 2), then dQ (kBlockM / 2). Head dim 64 takes
+// 128-row steps: its GEMMs are half as deep, and a step's fixed costs (barriers, fences, the dQ hand-off) would
+// otherwise weigh twice as much.
+// Head dim 256 does not fit that way (dK + dV alone would be 256 registers a thread): its two warpgroups share
+// the block's 64 keys and split the head dim (BwdSm90Traits::kSplitHeadDim). Its shared memory (K, V, two Q
+// stages, P^T and dS^T double-buffered, dQ staging) leaves room for one dO stage only.
 #pragma once
 
 namespace flashcore::sm90 {
@@ -12,10 +15,16 @@ template <int kHeadDim>
 struct BwdSm90Config;
 
 template <> struct BwdSm90Config<64> {
-  static constexpr int kWarpgroups = 2, kBlockM = 128, kStages = 2, kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kWarpgroups = 2, kBlockM = 128, kStages = 2, kDoStages = 2;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 template <> struct BwdSm90Config<128> {
-  static constexpr int kWarpgroups = 2, kBlockM = 64, kStages = 2, kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kWarpgroups = 2, kBlockM = 64, kStages = 2, kDoStages = 2;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
+};
+template <> struct BwdSm90Config<256> {
+  static constexpr int kWarpgroups = 2, kBlockM = 64, kStages = 2, kDoStages = 1;
+  static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
 
 }  // namespace flashcore::sm90

@@ -54,6 +54,32 @@ __device__ __forceinline__ void pack_a_fragments(const float (&acc)[kVals], uint
   }
 }
 
+// The per-query lse and dsum of a step, staged in shared memory for every consumer: threads [0, kBlockM) stage
+// lse (log2 units; +inf past the end and for rows that saw no key, so P = 0 there), threads [kBlockM, 2 kBlockM)
+// dsum (0 past the end), of query row m0 + tid % kBlockM. The load is issued a step ahead and converted only when
+// staged, so no warp waits on it (converting it at once would).
+template <typename Traits>
+struct BwdRowStats {
+  static constexpr int kBlockM = Traits::kBlockM;
+  static constexpr int kThreads = 2 * kBlockM;
+  static_assert(kThreads <= Traits::kConsumerThreads, "one thread per staged lse/dsum value");
+  const BwdParams& p;
+  const BwdBlock& blk;
+  const BwdSharedStorage<Traits>& smem;
+  const float* __restrict__ dsum;
+  int tid;
+
+  __device__ __forceinline__ float load(int step) const {
+    const int row = blk.m0(step, kBlockM) + tid % kBlockM;
+    if (row >= (int)p.seqlen_q) return tid < kBlockM ? -INFINITY : 0.f;
+    const int64_t idx = (blk.b * p.heads_q + blk.head(step)) * p.seqlen_q + row;
+    return tid < kBlockM ? p.lse[idx] : dsum[idx];
+  }
+  __device__ __forceinline__ void stage(int parity, float raw) const {
+    smem.row_stats_buffer(parity)[tid] = tid >= kBlockM ? raw : raw == -INFINITY ? INFINITY : raw * 1.4426950408889634f;
+  }
+};
+
 template <typename Traits>
 __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& blk,
                                             const BwdSharedStorage<Traits>& smem, const float* __restrict__ dsum,
@@ -62,8 +88,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   constexpr int kHeadDim = Traits::kHeadDim, kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kKSteps = kHeadDim / 16;
   constexpr int kSVals = kBlockM / 2, kQTiles = kBlockM / 8, kQSteps = kBlockM / 16;  // S^T: n8 tiles, k16 steps
-  constexpr int kRowStatThreads = 2 * kBlockM;
-  static_assert(kRowStatThreads <= Traits::kConsumerThreads, "one thread per staged lse/dsum value");
+  constexpr int kRowStatThreads = BwdRowStats<Traits>::kThreads;
   using MmaS = ptx::Wgmma<Element, kBlockM>;     // S^T, dP^T: m64 (keys) x n kBlockM (queries)
   using MmaKV = ptx::Wgmma<Element, kHeadDim>;   // dK, dV: m64 (keys) x n kHeadDim
   using MmaDQ = ptx::Wgmma<Element, 64>;         // dQ: m64 (queries) x n64 (head-dim columns)
@@ -81,21 +106,10 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  // Threads [0, kBlockM) stage lse (log2 units; +inf past the end and for rows that saw no key, so P = 0 there),
-  // threads [kBlockM, 2 kBlockM) dsum (0 past the end), of query row m0 + tid % kBlockM of `step`. The load is
-  // issued a step ahead and converted only when staged, so no warp waits on it (converting it at once would).
-  auto load_row_stat = [&](int step) -> float {
-    const int row = blk.m0(step, kBlockM) + tid % kBlockM;
-    if (row >= seqlen_q) return tid < kBlockM ? -INFINITY : 0.f;
-    const int64_t idx = (blk.b * p.heads_q + blk.head(step)) * p.seqlen_q + row;
-    return tid < kBlockM ? p.lse[idx] : dsum[idx];
-  };
-  auto stage_row_stat = [&](int parity, float raw) {
-    smem.row_stats_buffer(parity)[tid] = tid >= kBlockM ? raw : raw == -INFINITY ? INFINITY : raw * 1.4426950408889634f;
-  };
+  const BwdRowStats<Traits> row_stats{p, blk, smem, dsum, tid};
 
   if (blk.steps > 0) {
-    if (tid < kRowStatThreads) stage_row_stat(0, load_row_stat(0));
+    if (tid < kRowStatThreads) row_stats.stage(0, row_stats.load(0));
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
     ptx::mbarrier_wait(smem.kv_full, 0);
   }
@@ -103,7 +117,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   for (int step = 0; step < blk.steps; ++step) {
     const int stage = step % kStages;
     const int m0 = blk.m0(step, kBlockM);
-    const float next_stat = (tid < kRowStatThreads && step + 1 < blk.steps) ? load_row_stat(step + 1) : 0.f;
+    const float next_stat = (tid < kRowStatThreads && step + 1 < blk.steps) ? row_stats.load(step + 1) : 0.f;
     const uint32_t q_addr = ptx::smem_addr(smem.q_stage(stage));
     const uint32_t do_addr = ptx::smem_addr(smem.dout_stage(stage));
     ptx::mbarrier_wait(&smem.qdo_full[stage], (step / kStages) & 1);
@@ -180,7 +194,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
         *reinterpret_cast<uint32_t*>(ds + Traits::DsTile::elem_offset(row, col)) = dsa[kk][f];
       }
     }
-    if (tid < kRowStatThreads && step + 1 < blk.steps) stage_row_stat((step + 1) & 1, next_stat);
+    if (tid < kRowStatThreads && step + 1 < blk.steps) row_stats.stage((step + 1) & 1, next_stat);
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
 

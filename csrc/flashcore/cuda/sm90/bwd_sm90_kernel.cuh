@@ -5,8 +5,8 @@
 // dK/dV over the group happens in registers and dK/dV are written once, without atomics. Warpgroups:
 //   producer (the last, one elected thread; setmaxnreg gives its registers away): K and V once, then Q and dO of
 //     each step into a kStages ring guarded by full/empty mbarriers (bwd_sm90_producer.cuh);
-//   consumers (64 keys each): the five GEMMs of a step on wgmma; dQ is staged in shared memory
-//     (bwd_sm90_consumer.cuh);
+//   consumers (64 keys each; above head dim 128 they share 64 keys and split the head dim): the five GEMMs of a
+//     step on wgmma; dQ is staged in shared memory (bwd_sm90_consumer.cuh, bwd_sm90_consumer_wide.cuh);
 //   dQ writer (one thread of the producer warpgroup's second warp): adds each staged dQ tile to the fp32
 //     accumulator with TMA reductions (bwd_sm90_producer.cuh).
 // The pre-pass (bwd_preprocess.cuh) computes dsum = rowsum(dO * O) first; dq_accum is converted to dQ after.
@@ -19,6 +19,7 @@
 #include "../ptx/tma.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "bwd_sm90_consumer.cuh"
+#include "bwd_sm90_consumer_wide.cuh"
 #include "bwd_sm90_producer.cuh"
 #include "bwd_sm90_traits.cuh"
 
@@ -40,6 +41,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for (int s = 0; s < Traits::kStages; ++s) {
       ptx::mbarrier_init(&smem.qdo_full[s], 1);
       ptx::mbarrier_init(&smem.qdo_empty[s], Traits::kConsumerWarps);
+    }
+    if constexpr (Traits::kSeparateDo) {
+#pragma unroll
+      for (int s = 0; s < Traits::kDoStages; ++s) {
+        ptx::mbarrier_init(&smem.do_full[s], 1);
+        ptx::mbarrier_init(&smem.do_empty[s], Traits::kConsumerWarps);
+      }
     }
 #pragma unroll
     for (int w = 0; w < Traits::kWarpgroups; ++w) {
@@ -65,7 +73,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
-    consume_bwd<Traits>(p, blk, smem, dsum, &tm_dq);
+    if constexpr (Traits::kSplitHeadDim)
+      consume_bwd_wide<Traits>(p, blk, smem, dsum);
+    else
+      consume_bwd<Traits>(p, blk, smem, dsum, &tm_dq);
   }
 #endif
 }

@@ -1,6 +1,7 @@
 // Producer of the Hopper backward kernel: one thread issues every TMA load of the block. K and V of the block's
 // keys once (they stay for the whole block), then Q and dO of each step into the next stage of a kStages ring,
-// once the consumers have released it. Rows past a sequence end are zero-filled by TMA and still count their
+// once the consumers have released it (with kSeparateDo, dO has its own kDoStages ring and barriers: the
+// consumers release it earlier in the step than Q). Rows past a sequence end are zero-filled by TMA and still count their
 // bytes, so expect_tx is always whole tiles.
 #pragma once
 
@@ -28,20 +29,30 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
     const int stage = step % Traits::kStages;
     const int h = (int)blk.head(step), m0 = blk.m0(step, Traits::kBlockM);
     ptx::mbarrier_wait(&smem.qdo_empty[stage], ptx::empty_parity(step / Traits::kStages));
-    ptx::mbarrier_arrive_expect_tx(&smem.qdo_full[stage], 2 * Traits::kQBytes);
+    ptx::mbarrier_arrive_expect_tx(&smem.qdo_full[stage], (Traits::kSeparateDo ? 1 : 2) * Traits::kQBytes);
 #pragma unroll
     for (int span = 0; span < Traits::kSpans; ++span) {
       ptx::tma_load_4d(smem.q_stage(stage) + span * Traits::kBlockM * 64, tm_q, &smem.qdo_full[stage], span * 64,
                        m0, h, b);
-      ptx::tma_load_4d(smem.dout_stage(stage) + span * Traits::kBlockM * 64, tm_do, &smem.qdo_full[stage],
-                       span * 64, m0, h, b);
+      if constexpr (!Traits::kSeparateDo)
+        ptx::tma_load_4d(smem.dout_stage(stage) + span * Traits::kBlockM * 64, tm_do, &smem.qdo_full[stage],
+                         span * 64, m0, h, b);
+    }
+    if constexpr (Traits::kSeparateDo) {
+      const int do_stage = step % Traits::kDoStages;
+      ptx::mbarrier_wait(&smem.do_empty[do_stage], ptx::empty_parity(step / Traits::kDoStages));
+      ptx::mbarrier_arrive_expect_tx(&smem.do_full[do_stage], Traits::kQBytes);
+#pragma unroll
+      for (int span = 0; span < Traits::kSpans; ++span)
+        ptx::tma_load_4d(smem.dout_stage(do_stage) + span * Traits::kBlockM * 64, tm_do, &smem.do_full[do_stage],
+                         span * 64, m0, h, b);
     }
   }
 }
 
-// The dQ writer (one thread of the producer warpgroup's second warp): per step and consumer warpgroup, once the
-// warpgroup's 4 warps have staged their dQ (dq_full), adds the staging tile (two 32-column boxes) to the fp32
-// accumulator with TMA reductions, and releases the tile (dq_empty) once TMA has read it.
+// The dQ writer (one thread of the producer warpgroup's second warp): per step, dQ chunk and consumer warpgroup,
+// once the warpgroup's 4 warps have staged their dQ (dq_full), adds the staging tile (two 32-column boxes) to the
+// fp32 accumulator with TMA reductions, and releases the tile (dq_empty) once TMA has read it.
 template <typename Traits>
 __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock& blk,
                                              const BwdSharedStorage<Traits>& smem, const CUtensorMap* tm_dq) {
@@ -53,21 +64,24 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
   int row0 = head_row0 + blk.m_begin * kBlockM, m_left = blk.m_count;
   for (int step = 0; step < blk.steps; ++step) {
 #pragma unroll
-    for (int wg = 0; wg < kW; ++wg) {
-      ptx::mbarrier_wait(&smem.dq_full[wg], step & 1);
-      const int col0 = Traits::kDqSplitKeys ? 0 : 64 * wg;
+    for (int chunk = 0; chunk < Traits::kDqChunks; ++chunk) {
 #pragma unroll
-      for (int box = 0; box < 2; ++box)
-        ptx::tma_reduce_add_2d(tm_dq, smem.dq_staging(wg) + box * kBlockM * 32, col0 + box * Traits::kDqBoxCols,
-                               row0);
-      ptx::bulk_commit_group();
+      for (int wg = 0; wg < kW; ++wg) {
+        ptx::mbarrier_wait(&smem.dq_full[wg], (step * Traits::kDqChunks + chunk) & 1);
+        const int col0 = Traits::dq_col0(wg, chunk);
+#pragma unroll
+        for (int box = 0; box < 2; ++box)
+          ptx::tma_reduce_add_2d(tm_dq, smem.dq_staging(wg) + box * kBlockM * 32, col0 + box * Traits::kDqBoxCols,
+                                 row0);
+        ptx::bulk_commit_group();
+      }
+      // Groups complete in order: release each warpgroup's tile as soon as its reduction has read it.
+      static_assert(kW == 2, "release order below is written for two consumer warpgroups");
+      ptx::bulk_wait_group_read<1>();
+      ptx::mbarrier_arrive(&smem.dq_empty[0]);
+      ptx::bulk_wait_group_read<0>();
+      ptx::mbarrier_arrive(&smem.dq_empty[1]);
     }
-    // Groups complete in order: release each warpgroup's tile as soon as its reduction has read it.
-    static_assert(kW == 2, "release order below is written for two consumer warpgroups");
-    ptx::bulk_wait_group_read<1>();
-    ptx::mbarrier_arrive(&smem.dq_empty[0]);
-    ptx::bulk_wait_group_read<0>();
-    ptx::mbarrier_arrive(&smem.dq_empty[1]);
     row0 += kBlockM;
     if (--m_left == 0) {  // next head of the group
       m_left = blk.m_count;

@@ -15,12 +15,21 @@ struct BwdSm90Traits {
   using Element = Element_;
   using Config = BwdSm90Config<kHeadDim_>;
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 128, "wgmma tiles use 64-element swizzle spans");
-  static constexpr int kWarpgroups = Config::kWarpgroups;  // consumers, 64 keys each
-  static constexpr int kBlockN = 64 * kWarpgroups;         // keys of a block
+  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "wgmma tiles use 64-element swizzle spans");
+  static constexpr int kWarpgroups = Config::kWarpgroups;  // consumers
+  // Up to head dim 128 each consumer warpgroup owns 64 keys of the block, all head-dim columns of their dK/dV.
+  // Above, the warpgroups share 64 keys and split the columns (bwd_sm90_consumer_wide.cuh).
+  static constexpr bool kSplitHeadDim = kHeadDim > 128;
+  static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kWarpgroups;       // keys of a block
+  static constexpr int kWgCols = kSplitHeadDim ? kHeadDim / kWarpgroups : kHeadDim;  // dK/dV columns a warpgroup
   static constexpr int kBlockM = Config::kBlockM;          // query rows of one step
   static_assert(kBlockM == 64 || kBlockM == 128, "a step is one or two m64 query tiles");
-  static constexpr int kStages = Config::kStages;
+  static_assert(!kSplitHeadDim || (kBlockM == 64 && kWarpgroups == 2 && kWgCols % 64 == 0),
+                "split head dim: each warpgroup computes S^T for half of a 64-row step");
+  static constexpr int kStages = Config::kStages;      // Q ring
+  static constexpr int kDoStages = Config::kDoStages;  // dO ring
+  static_assert(kDoStages == kStages || kDoStages == 1, "dO shares Q's barriers, or has its own single stage");
+  static constexpr bool kSeparateDo = kDoStages != kStages;
   static constexpr int kConsumerThreads = 128 * kWarpgroups;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kNThreads = kConsumerThreads + 128;
@@ -35,9 +44,12 @@ struct BwdSm90Traits {
   // dQ = dS K for the step's 64 queries is split between the warpgroups by head-dim columns when that gives each
   // one 64-column span (all keys of the block; needs every warpgroup's dS), otherwise by keys (each warpgroup
   // its own 64 keys and every column; the partial sums meet in the fp32 dQ accumulator).
-  static constexpr bool kDqSplitKeys = kHeadDim != 64 * kWarpgroups;
+  // Split head dim: by columns, kDqChunks 64-column chunks a warpgroup, one after the other through its staging
+  // tile.
+  static constexpr bool kDqSplitKeys = !kSplitHeadDim && kHeadDim != 64 * kWarpgroups;
   static constexpr int kDqKeys = kDqSplitKeys ? 64 : kBlockN;  // K extent of one warpgroup's dQ GEMM
-  static_assert(kDqSplitKeys ? kHeadDim == 64 : kHeadDim / kWarpgroups == 64, "dQ GEMM is m64n64");
+  static constexpr int kDqChunks = kSplitHeadDim ? kWgCols / 64 : 1;
+  static_assert(kDqSplitKeys ? kHeadDim == 64 : kHeadDim / kWarpgroups == 64 * kDqChunks, "dQ GEMM is m64n64");
 
   using QTile = sm80::SmemTile<kBlockM, kHeadDim>;   // Q and dO: rows = queries
   using KVTile = sm80::SmemTile<kBlockN, kHeadDim>;  // K and V: rows = keys
@@ -46,6 +58,8 @@ struct BwdSm90Traits {
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
   static constexpr uint32_t kDsBytes = DsTile::kElems * 2;
   static constexpr uint32_t kRowStatBytes = 2 * kBlockM * 4;  // per query: lse (log2 units), rowsum(dO * O)
+  // First column of dQ chunk `chunk` of warpgroup `wg` (its staging tile's column 0).
+  static constexpr int dq_col0(int wg, int chunk) { return kDqSplitKeys ? 0 : 64 * (wg * kDqChunks + chunk); }
   // Each warpgroup's dQ (64 queries x 64 columns, fp32) is staged as two 32-column boxes in the 128-byte swizzle
   // and added to the global accumulator by TMA (cp.reduce.async.bulk.tensor).
   static constexpr int kDqBoxCols = 32, kDqBoxRows = kBlockM;
@@ -53,11 +67,15 @@ struct BwdSm90Traits {
   // dS^T is double-buffered by step parity where the warpgroups read each other's rows (dQ split by columns): a
   // fast warpgroup may write step i + 1's while the other still reads step i's. Split by keys, each reads only
   // the rows it wrote, after its own previous dQ GEMM retired: one buffer.
+  // Split head dim: P^T goes through shared memory too (each warpgroup computes half of it), double-buffered
+  // like dS^T.
   static constexpr int kDsBuffers = kDqSplitKeys ? 1 : 2;
-  static constexpr int kBarriers = 1 + 2 * kStages + 2 * kWarpgroups;
+  static constexpr int kPtBuffers = kSplitHeadDim ? kDsBuffers : 0;
+  static constexpr int kBarriers = 1 + 2 * kStages + (kSeparateDo ? 2 * kDoStages : 0) + 2 * kWarpgroups;
   // Tiles are 1024-byte aligned (the swizzle atom); the first 1024 bytes cover aligning the dynamic base.
-  static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + 2 * kStages * kQBytes + kDsBuffers * kDsBytes +
-                                    kWarpgroups * kDqWgBytes + 2 * kRowStatBytes + 8 * kBarriers;
+  static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + (kStages + kDoStages) * kQBytes +
+                                    (kDsBuffers + kPtBuffers) * kDsBytes + kWarpgroups * kDqWgBytes +
+                                    2 * kRowStatBytes + 8 * kBarriers;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
@@ -67,13 +85,16 @@ struct BwdSharedStorage {
   Element* k;
   Element* v;
   Element* q;     // kStages Q tiles
-  Element* dout;  // kStages dO tiles
+  Element* dout;  // kDoStages dO tiles
   Element* ds;    // kDsBuffers dS^T tiles
+  Element* pt;    // kPtBuffers P^T tiles (split head dim only)
   float* dq;      // kWarpgroups dQ staging tiles
   float* row_stats;  // 2 x [lse_log2 (64) | dsum (64)] (by step parity)
   uint64_t* kv_full;
-  uint64_t* qdo_full;   // kStages
+  uint64_t* qdo_full;   // kStages: Q, and dO unless kSeparateDo
   uint64_t* qdo_empty;  // kStages
+  uint64_t* do_full;    // kDoStages, kSeparateDo only (else = qdo_full)
+  uint64_t* do_empty;   // kDoStages, kSeparateDo only (else = qdo_empty)
   uint64_t* dq_full;    // kWarpgroups: a warpgroup's dQ is staged (its 4 warps arrive)
   uint64_t* dq_empty;   // kWarpgroups: the dQ writer's reduction has read the staging tile
 
@@ -85,9 +106,10 @@ struct BwdSharedStorage {
     v = reinterpret_cast<Element*>(base + Traits::kKVBytes);
     q = reinterpret_cast<Element*>(base + 2 * Traits::kKVBytes);
     dout = reinterpret_cast<Element*>(base + 2 * Traits::kKVBytes + Traits::kStages * Traits::kQBytes);
-    ds = reinterpret_cast<Element*>(base + 2 * Traits::kKVBytes + 2 * Traits::kStages * Traits::kQBytes);
-    unsigned char* dq_base =
-        base + 2 * Traits::kKVBytes + 2 * Traits::kStages * Traits::kQBytes + Traits::kDsBuffers * Traits::kDsBytes;
+    unsigned char* ds_base = base + 2 * Traits::kKVBytes + (Traits::kStages + Traits::kDoStages) * Traits::kQBytes;
+    ds = reinterpret_cast<Element*>(ds_base);
+    pt = reinterpret_cast<Element*>(ds_base + Traits::kDsBuffers * Traits::kDsBytes);
+    unsigned char* dq_base = ds_base + (Traits::kDsBuffers + Traits::kPtBuffers) * Traits::kDsBytes;
     dq = reinterpret_cast<float*>(dq_base);
     unsigned char* tail = dq_base + Traits::kWarpgroups * Traits::kDqWgBytes;
     row_stats = reinterpret_cast<float*>(tail);
@@ -95,13 +117,18 @@ struct BwdSharedStorage {
     kv_full = bars;
     qdo_full = bars + 1;
     qdo_empty = qdo_full + Traits::kStages;
-    dq_full = qdo_empty + Traits::kStages;
+    do_full = Traits::kSeparateDo ? qdo_empty + Traits::kStages : qdo_full;
+    do_empty = Traits::kSeparateDo ? do_full + Traits::kDoStages : qdo_empty;
+    dq_full = qdo_empty + Traits::kStages + (Traits::kSeparateDo ? 2 * Traits::kDoStages : 0);
     dq_empty = dq_full + Traits::kWarpgroups;
   }
   __device__ __forceinline__ Element* q_stage(int s) const { return q + s * Traits::QTile::kElems; }
   __device__ __forceinline__ Element* dout_stage(int s) const { return dout + s * Traits::QTile::kElems; }
   __device__ __forceinline__ Element* ds_buffer(int step) const {
     return ds + (step % Traits::kDsBuffers) * Traits::DsTile::kElems;
+  }
+  __device__ __forceinline__ Element* pt_buffer(int step) const {
+    return pt + (step % Traits::kDsBuffers) * Traits::DsTile::kElems;
   }
   __device__ __forceinline__ float* dq_staging(int wg) const { return dq + wg * (Traits::kDqWgBytes / 4); }
   __device__ __forceinline__ float* row_stats_buffer(int parity) const { return row_stats + parity * 2 * Traits::kBlockM; }
