@@ -98,7 +98,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   const int wg = tid >> 7;
   const int warp_row = ((tid >> 5) & 3) * 16;  // this warp's first row inside the warpgroup's 64
   const uint32_t k_addr = ptx::smem_addr(smem.k), v_addr = ptx::smem_addr(smem.v);
-  const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k;
+  const int seqlen_k = (int)p.seqlen_k;
   const int key_lo = blk.n0 + 64 * wg + warp_row + g;  // keys of this thread's accumulator rows: key_lo, key_lo + 8
   float* dq_stage = smem.dq_staging(wg);
 
