@@ -54,29 +54,51 @@ __device__ __forceinline__ void pack_a_fragments(const float (&acc)[kVals], uint
   }
 }
 
-// The per-query lse and dsum of a step, staged in shared memory for every consumer: threads [0, kBlockM) stage
-// lse (log2 units; +inf past the end and for rows that saw no key, so P = 0 there), threads [kBlockM, 2 kBlockM)
-// dsum (0 past the end), of query row m0 + tid % kBlockM. The load is issued a step ahead and converted only when
-// staged, so no warp waits on it (converting it at once would).
+// The per-query lse and dsum of a step, staged in shared memory for the consumers: values [0, kBlockM) are lse
+// (log2 units; +inf past the end and for rows that saw no key, so P = 0 there), [kBlockM, 2 kBlockM) dsum (0 past
+// the end), of query row m0 + v % kBlockM. Split keys, each warpgroup stages its own copy; else the consumers
+// stage one. The loads are issued a step ahead and converted only when staged, so no warp waits on them
+// (converting at once would).
 template <typename Traits>
 struct BwdRowStats {
-  static constexpr int kBlockM = Traits::kBlockM;
-  static constexpr int kThreads = 2 * kBlockM;
-  static_assert(kThreads <= Traits::kConsumerThreads, "one thread per staged lse/dsum value");
+  static constexpr int kBlockM = Traits::kBlockM, kValues = 2 * kBlockM;
+  static constexpr bool kPerWarpgroup = Traits::kDqSplitKeys;
+  static constexpr int kGroup = kPerWarpgroup ? 128 : Traits::kConsumerThreads;  // threads staging one copy
+  static constexpr int kPer = (kValues + kGroup - 1) / kGroup;                    // values a thread stages
   const BwdParams& p;
   const BwdBlock& blk;
   const BwdSharedStorage<Traits>& smem;
   const float* __restrict__ dsum;
-  int tid;
+  int local, copy;
 
-  __device__ __forceinline__ float load(int step) const {
-    const int row = blk.m0(step, kBlockM) + tid % kBlockM;
-    if (row >= (int)p.seqlen_q) return tid < kBlockM ? -INFINITY : 0.f;
-    const int64_t idx = (blk.b * p.heads_q + blk.head(step)) * p.seqlen_q + row;
-    return tid < kBlockM ? p.lse[idx] : dsum[idx];
+  __device__ __forceinline__ BwdRowStats(const BwdParams& p_, const BwdBlock& blk_,
+                                         const BwdSharedStorage<Traits>& smem_, const float* __restrict__ dsum_,
+                                         int tid)
+      : p(p_), blk(blk_), smem(smem_), dsum(dsum_), local(tid % kGroup), copy(kPerWarpgroup ? tid / 128 : 0) {}
+
+  __device__ __forceinline__ const float* buffer(int parity) const { return smem.row_stats_buffer(parity, copy); }
+  __device__ __forceinline__ void load(int step, float (&raw)[kPer]) const {
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int v = local + j * kGroup;
+      const int row = blk.m0(step, kBlockM) + v % kBlockM;
+      raw[j] = 0.f;
+      if (v >= kValues) continue;
+      if (row >= (int)p.seqlen_q) {
+        raw[j] = v < kBlockM ? -INFINITY : 0.f;
+        continue;
+      }
+      const int64_t idx = (blk.b * p.heads_q + blk.head(step)) * p.seqlen_q + row;
+      raw[j] = v < kBlockM ? p.lse[idx] : dsum[idx];
+    }
   }
-  __device__ __forceinline__ void stage(int parity, float raw) const {
-    smem.row_stats_buffer(parity)[tid] = tid >= kBlockM ? raw : raw == -INFINITY ? INFINITY : raw * 1.4426950408889634f;
+  __device__ __forceinline__ void stage(int parity, const float (&raw)[kPer]) const {
+    float* out = smem.row_stats_buffer(parity, copy);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int v = local + j * kGroup;
+      if (v < kValues) out[v] = v >= kBlockM ? raw[j] : raw[j] == -INFINITY ? INFINITY : raw[j] * 1.4426950408889634f;
+    }
   }
 };
 
@@ -88,10 +110,9 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   constexpr int kHeadDim = Traits::kHeadDim, kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kKSteps = kHeadDim / 16;
   constexpr int kSVals = kBlockM / 2, kQTiles = kBlockM / 8, kQSteps = kBlockM / 16;  // S^T: n8 tiles, k16 steps
-  constexpr int kRowStatThreads = BwdRowStats<Traits>::kThreads;
   using MmaS = ptx::Wgmma<Element, kBlockM>;     // S^T, dP^T: m64 (keys) x n kBlockM (queries)
   using MmaKV = ptx::Wgmma<Element, kHeadDim>;   // dK, dV: m64 (keys) x n kHeadDim
-  using MmaDQ = ptx::Wgmma<Element, 64>;         // dQ: m64 (queries) x n64 (head-dim columns)
+  using MmaDQ = ptx::Wgmma<Element, 64>;         // dQ: m64 (queries) x n64 (a column chunk)
 
   const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
   const int lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -106,18 +127,29 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
 #pragma unroll
   for (int i = 0; i < kHeadDim / 2; ++i) dk[i] = dv[i] = 0.f;
 
-  const BwdRowStats<Traits> row_stats{p, blk, smem, dsum, tid};
+  const BwdRowStats<Traits> row_stats(p, blk, smem, dsum, tid);
+
+  // Split keys, a warpgroup reads only the dS^T rows and the row-stat copy it wrote: it syncs its own threads.
+  auto consumers_sync = [&] {
+    if constexpr (Traits::kDqSplitKeys)
+      ptx::named_barrier_sync(kBwdConsumerBarrier + wg, 128);
+    else
+      ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
+  };
 
   if (blk.steps > 0) {
-    if (tid < kRowStatThreads) row_stats.stage(0, row_stats.load(0));
-    ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
+    float first[BwdRowStats<Traits>::kPer];
+    row_stats.load(0, first);
+    row_stats.stage(0, first);
+    consumers_sync();
     ptx::mbarrier_wait(smem.kv_full, 0);
   }
 
   for (int step = 0; step < blk.steps; ++step) {
     const int stage = step % kStages;
     const int m0 = blk.m0(step, kBlockM);
-    const float next_stat = (tid < kRowStatThreads && step + 1 < blk.steps) ? row_stats.load(step + 1) : 0.f;
+    float next_stat[BwdRowStats<Traits>::kPer];
+    if (step + 1 < blk.steps) row_stats.load(step + 1, next_stat);
     const uint32_t q_addr = ptx::smem_addr(smem.q_stage(stage));
     const uint32_t do_addr = ptx::smem_addr(smem.dout_stage(stage));
     ptx::mbarrier_wait(&smem.qdo_full[stage], (step / kStages) & 1);
@@ -133,7 +165,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
       MmaS::ss(dp, kmajor_desc(v_addr, kBlockN, 64 * wg, ks), kmajor_desc(do_addr, kBlockM, 0, ks), ks > 0);
     ptx::wgmma_commit();
 
-    const float* stats = smem.row_stats_buffer(step & 1);
+    const float* stats = row_stats.buffer(step & 1);
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
     const bool needs_mask = cuda::tile_needs_mask<kBlockN>(p, m0, blk.n_block);
@@ -194,13 +226,14 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
         *reinterpret_cast<uint32_t*>(ds + Traits::DsTile::elem_offset(row, col)) = dsa[kk][f];
       }
     }
-    if (tid < kRowStatThreads && step + 1 < blk.steps) row_stats.stage((step + 1) & 1, next_stat);
+    if (step + 1 < blk.steps) row_stats.stage((step + 1) & 1, next_stat);
     ptx::fence_proxy_async_shared();
-    ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
+    consumers_sync();
 
-    // dQ of kDqMTiles m64 query tiles (a 64-query span of dS^T each). Split by head-dim columns: all kBlockN
-    // keys, span wg of K. Split by keys: this warpgroup's 64 keys, all columns.
-    constexpr int kDqMTiles = kBlockM / 64;
+    // dQ of kDqMTiles m64 query tiles (a 64-query span of dS^T each), in kDqColChunks 64-column chunks. Split by
+    // head-dim columns: all kBlockN keys, span wg of K. Split by keys: this warpgroup's 64 keys, every column.
+    constexpr int kDqMTiles = kBlockM / 64, kDqColChunks = Traits::kDqCols / 64;
+    static_assert(kDqColChunks <= 2, "the dQ chunk order below is written for one or two column chunks");
     if constexpr (!kDvBeforeDs) {
       ptx::wgmma_wait<0>();  // dV has retired (it ran during the barrier): P's fragments make room for dQ
 #pragma unroll
@@ -210,40 +243,54 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     const uint32_t ds_addr = ptx::smem_addr(ds);
     const uint32_t ds_a = Traits::kDqSplitKeys ? ds_addr + 64 * wg * 128 : ds_addr;
     const uint32_t k_b = Traits::kDqSplitKeys ? k_addr + 64 * wg * 128 : k_addr + wg * kBlockN * 128;
+    auto issue_dq = [&](int chunk) {
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int mt = 0; mt < kDqMTiles; ++mt) {
+#pragma unroll
+        for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk)
+          MmaDQ::ss_mn(dq[mt], mnmajor_desc(ds_a + mt * kBlockN * 128, kBlockN, kk),
+                       mnmajor_desc(k_b + chunk * kBlockN * 128, kBlockN, kk), kk > 0);
+      }
+      ptx::wgmma_commit();
+    };
+    // dQ chunk (rows: queries m0 + 64 mt + warp_row + g (+ 8)) to its columns of the staging tile.
+    auto stage_dq = [&](int chunk) {
+#pragma unroll
+      for (int mt = 0; mt < kDqMTiles; ++mt) {
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int row = 64 * mt + warp_row + g + 8 * half;
+#pragma unroll
+          for (int ni = 0; ni < 8; ++ni)
+            *reinterpret_cast<float2*>(dq_stage + dq_staging_offset<kBlockM>(row, 64 * chunk + ni * 8 + 2 * t)) =
+                make_float2(dq[mt][4 * ni + 2 * half] * p.scale, dq[mt][4 * ni + 2 * half + 1] * p.scale);
+        }
+      }
+    };
+    issue_dq(0);
+    // dK next: it runs on the tensor cores while dQ is staged and handed to TMA below.
     ptx::wgmma_fence();
-#pragma unroll
-    for (int mt = 0; mt < kDqMTiles; ++mt) {
-#pragma unroll
-      for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk)
-        MmaDQ::ss_mn(dq[mt], mnmajor_desc(ds_a + mt * kBlockN * 128, kBlockN, kk), mnmajor_desc(k_b, kBlockN, kk),
-                     kk > 0);
-    }
-    ptx::wgmma_commit();
-    // dK last: it runs on the tensor cores while dQ is staged and handed to TMA below.
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dk, dsa[kk], mnmajor_desc(q_addr, kBlockM, kk), true);
     ptx::wgmma_commit();
-    ptx::wgmma_wait<1>();  // groups retire in order: dV and dQ are done
+    ptx::wgmma_wait<1>();  // groups retire in order: dV and dQ's first chunk are done
 #pragma unroll
     for (int mt = 0; mt < kDqMTiles; ++mt) ptx::fence_operand(dq[mt]);
     ptx::fence_operand(dv);
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) ptx::fence_operand(pa[kk]);
 
-    // dQ (rows: queries m0 + 64 mt + warp_row + g (+ 8); columns: span wg, or all when split by keys) to the
-    // staging tile; each warp then signals dq_full, and the dQ writer (bwd_sm90_producer.cuh) adds the tile to the
+    // The staged tile: each warp signals dq_full, and the dQ writer (bwd_sm90_producer.cuh) adds the tile to the
     // accumulator through TMA: bulk transfers instead of 8192 atomics, and no consumer waits for another.
     ptx::mbarrier_wait(&smem.dq_empty[wg], ptx::empty_parity(step));  // the writer has read the previous step's
+    stage_dq(0);
+    if constexpr (kDqColChunks == 2) {
+      issue_dq(1);
+      ptx::wgmma_wait<0>();
 #pragma unroll
-    for (int mt = 0; mt < kDqMTiles; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = 64 * mt + warp_row + g + 8 * half;
-#pragma unroll
-        for (int ni = 0; ni < 8; ++ni)
-          *reinterpret_cast<float2*>(dq_stage + dq_staging_offset<kBlockM>(row, ni * 8 + 2 * t)) =
-              make_float2(dq[mt][4 * ni + 2 * half] * p.scale, dq[mt][4 * ni + 2 * half + 1] * p.scale);
-      }
+      for (int mt = 0; mt < kDqMTiles; ++mt) ptx::fence_operand(dq[mt]);
+      stage_dq(1);
     }
     ptx::fence_proxy_async_shared();
     __syncwarp();

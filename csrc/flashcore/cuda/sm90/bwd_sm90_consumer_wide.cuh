@@ -41,7 +41,6 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
   constexpr int kWgCols = Traits::kWgCols, kDqChunks = Traits::kDqChunks;
   constexpr int kWgQueries = kBlockM / 2;  // queries of S^T / dP^T a warpgroup computes
   constexpr int kSVals = kWgQueries / 2, kQTiles = kWgQueries / 8;
-  constexpr int kRowStatThreads = BwdRowStats<Traits>::kThreads;
   static_assert(kBlockN == 64 && kBlockM == 64, "one m64 key tile, 64-query steps");
   using MmaS = ptx::Wgmma<Element, kWgQueries>;  // S^T, dP^T: m64 (keys) x n32 (queries)
   using MmaKV = ptx::Wgmma<Element, kWgCols>;    // dK, dV: m64 (keys) x n kWgCols
@@ -58,14 +57,16 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
   // Byte offset of this warpgroup's first column span in a Q/dO tile (spans of kBlockM rows x 128 bytes).
   const uint32_t col_span = (uint32_t)(kWgCols / 64 * wg) * kBlockM * 128;
   float* dq_stage = smem.dq_staging(wg);
-  const BwdRowStats<Traits> row_stats{p, blk, smem, dsum, tid};
+  const BwdRowStats<Traits> row_stats(p, blk, smem, dsum, tid);
 
   float dk[kWgCols / 2], dv[kWgCols / 2];
 #pragma unroll
   for (int i = 0; i < kWgCols / 2; ++i) dk[i] = dv[i] = 0.f;
 
   if (blk.steps > 0) {
-    if (tid < kRowStatThreads) row_stats.stage(0, row_stats.load(0));
+    float first[BwdRowStats<Traits>::kPer];
+    row_stats.load(0, first);
+    row_stats.stage(0, first);
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
     ptx::mbarrier_wait(smem.kv_full, 0);
   }
@@ -73,7 +74,8 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
   for (int step = 0; step < blk.steps; ++step) {
     const int stage = step % kStages, do_stage = step % kDoStages;
     const int m0 = blk.m0(step, kBlockM);
-    const float next_stat = (tid < kRowStatThreads && step + 1 < blk.steps) ? row_stats.load(step + 1) : 0.f;
+    float next_stat[BwdRowStats<Traits>::kPer];
+    if (step + 1 < blk.steps) row_stats.load(step + 1, next_stat);
     const uint32_t q_addr = ptx::smem_addr(smem.q_stage(stage));
     const uint32_t do_addr = ptx::smem_addr(smem.dout_stage(do_stage));
 
@@ -91,7 +93,7 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
       MmaS::ss(dp, kmajor_desc(v_addr, kBlockN, 0, ks), kmajor_desc(do_addr, kBlockM, q_lo, ks), ks > 0);
     ptx::wgmma_commit();
 
-    const float* stats = smem.row_stats_buffer(step & 1);
+    const float* stats = row_stats.buffer(step & 1);
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
     const bool needs_mask = cuda::tile_needs_mask<kBlockN>(p, m0, blk.n_block);
@@ -134,7 +136,7 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
             sm80::pack2<Element>(dp[4 * ni + 2 * half], dp[4 * ni + 2 * half + 1]);
       }
     }
-    if (tid < kRowStatThreads && step + 1 < blk.steps) row_stats.stage((step + 1) & 1, next_stat);
+    if (step + 1 < blk.steps) row_stats.stage((step + 1) & 1, next_stat);
     ptx::fence_proxy_async_shared();
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
 

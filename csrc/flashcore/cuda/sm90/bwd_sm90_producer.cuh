@@ -51,7 +51,7 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
 }
 
 // The dQ writer (one thread of the producer warpgroup's second warp): per step, dQ chunk and consumer warpgroup,
-// once the warpgroup's 4 warps have staged their dQ (dq_full), adds the staging tile (two 32-column boxes) to the
+// once the warpgroup's 4 warps have staged their dQ (dq_full), adds the staging tile (32-column boxes) to the
 // fp32 accumulator with TMA reductions, and releases the tile (dq_empty) once TMA has read it.
 template <typename Traits>
 __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock& blk,
@@ -70,7 +70,7 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
         ptx::mbarrier_wait(&smem.dq_full[wg], (step * Traits::kDqChunks + chunk) & 1);
         const int col0 = Traits::dq_col0(wg, chunk);
 #pragma unroll
-        for (int box = 0; box < 2; ++box)
+        for (int box = 0; box < Traits::kDqBoxes; ++box)
           ptx::tma_reduce_add_2d(tm_dq, smem.dq_staging(wg) + box * kBlockM * 32, col0 + box * Traits::kDqBoxCols,
                                  row0);
         ptx::bulk_commit_group();

@@ -41,15 +41,15 @@ struct BwdSm90Traits {
                 "setmaxnreg split exceeds the registers the block gets at launch");
   static constexpr int kSpans = kHeadDim / 64;  // TMA boxes per Q/dO/K/V tile
 
-  // dQ = dS K for the step's 64 queries is split between the warpgroups by head-dim columns when that gives each
-  // one 64-column span (all keys of the block; needs every warpgroup's dS), otherwise by keys (each warpgroup
-  // its own 64 keys and every column; the partial sums meet in the fp32 dQ accumulator).
+  // dQ = dS K of the step is split between the warpgroups by keys or by head-dim columns (Config::kDqByKeys).
   // Split head dim: by columns, kDqChunks 64-column chunks a warpgroup, one after the other through its staging
   // tile.
-  static constexpr bool kDqSplitKeys = !kSplitHeadDim && kHeadDim != 64 * kWarpgroups;
+  static constexpr bool kDqSplitKeys = Config::kDqByKeys;
+  static_assert(!(kDqSplitKeys && kSplitHeadDim), "split head dim splits dQ by columns");
   static constexpr int kDqKeys = kDqSplitKeys ? 64 : kBlockN;  // K extent of one warpgroup's dQ GEMM
+  static constexpr int kDqCols = kDqSplitKeys ? kHeadDim : 64;  // N of one warpgroup's dQ GEMM (one chunk)
   static constexpr int kDqChunks = kSplitHeadDim ? kWgCols / 64 : 1;
-  static_assert(kDqSplitKeys ? kHeadDim == 64 : kHeadDim / kWarpgroups == 64 * kDqChunks, "dQ GEMM is m64n64");
+  static_assert(kDqSplitKeys || kHeadDim / kWarpgroups == 64 * kDqChunks, "dQ chunks are m64n64");
 
   using QTile = sm80::SmemTile<kBlockM, kHeadDim>;   // Q and dO: rows = queries
   using KVTile = sm80::SmemTile<kBlockN, kHeadDim>;  // K and V: rows = keys
@@ -60,10 +60,13 @@ struct BwdSm90Traits {
   static constexpr uint32_t kRowStatBytes = 2 * kBlockM * 4;  // per query: lse (log2 units), rowsum(dO * O)
   // First column of dQ chunk `chunk` of warpgroup `wg` (its staging tile's column 0).
   static constexpr int dq_col0(int wg, int chunk) { return kDqSplitKeys ? 0 : 64 * (wg * kDqChunks + chunk); }
-  // Each warpgroup's dQ (64 queries x 64 columns, fp32) is staged as two 32-column boxes in the 128-byte swizzle
-  // and added to the global accumulator by TMA (cp.reduce.async.bulk.tensor).
-  static constexpr int kDqBoxCols = 32, kDqBoxRows = kBlockM;
-  static constexpr uint32_t kDqWgBytes = kBlockM * 64 * 4;
+  // Each warpgroup's dQ (kBlockM queries x kDqCols columns, fp32) is staged as 32-column boxes in the 128-byte
+  // swizzle and added to the global accumulator by TMA (cp.reduce.async.bulk.tensor).
+  static constexpr int kDqBoxCols = 32, kDqBoxRows = kBlockM, kDqBoxes = kDqCols / kDqBoxCols;
+  static constexpr uint32_t kDqWgBytes = kBlockM * kDqCols * 4;
+  // Split keys, the warpgroups never read each other's shared memory in a step: each stages its own copy of the
+  // step's lse/dsum and synchronizes only its own threads, so neither waits for the other.
+  static constexpr int kRowStatCopies = kDqSplitKeys ? kWarpgroups : 1;
   // dS^T is double-buffered by step parity where the warpgroups read each other's rows (dQ split by columns): a
   // fast warpgroup may write step i + 1's while the other still reads step i's. Split by keys, each reads only
   // the rows it wrote, after its own previous dQ GEMM retired: one buffer.
@@ -75,7 +78,7 @@ struct BwdSm90Traits {
   // Tiles are 1024-byte aligned (the swizzle atom); the first 1024 bytes cover aligning the dynamic base.
   static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + (kStages + kDoStages) * kQBytes +
                                     (kDsBuffers + kPtBuffers) * kDsBytes + kWarpgroups * kDqWgBytes +
-                                    2 * kRowStatBytes + 8 * kBarriers;
+                                    2 * kRowStatCopies * kRowStatBytes + 8 * kBarriers;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
@@ -89,7 +92,7 @@ struct BwdSharedStorage {
   Element* ds;    // kDsBuffers dS^T tiles
   Element* pt;    // kPtBuffers P^T tiles (split head dim only)
   float* dq;      // kWarpgroups dQ staging tiles
-  float* row_stats;  // 2 x [lse_log2 (64) | dsum (64)] (by step parity)
+  float* row_stats;  // kRowStatCopies x 2 (step parity) x [lse_log2 (kBlockM) | dsum (kBlockM)]
   uint64_t* kv_full;
   uint64_t* qdo_full;   // kStages: Q, and dO unless kSeparateDo
   uint64_t* qdo_empty;  // kStages
@@ -113,7 +116,7 @@ struct BwdSharedStorage {
     dq = reinterpret_cast<float*>(dq_base);
     unsigned char* tail = dq_base + Traits::kWarpgroups * Traits::kDqWgBytes;
     row_stats = reinterpret_cast<float*>(tail);
-    uint64_t* bars = reinterpret_cast<uint64_t*>(tail + 2 * Traits::kRowStatBytes);
+    uint64_t* bars = reinterpret_cast<uint64_t*>(tail + 2 * Traits::kRowStatCopies * Traits::kRowStatBytes);
     kv_full = bars;
     qdo_full = bars + 1;
     qdo_empty = qdo_full + Traits::kStages;
@@ -131,7 +134,9 @@ struct BwdSharedStorage {
     return pt + (step % Traits::kDsBuffers) * Traits::DsTile::kElems;
   }
   __device__ __forceinline__ float* dq_staging(int wg) const { return dq + wg * (Traits::kDqWgBytes / 4); }
-  __device__ __forceinline__ float* row_stats_buffer(int parity) const { return row_stats + parity * 2 * Traits::kBlockM; }
+  __device__ __forceinline__ float* row_stats_buffer(int parity, int copy) const {
+    return row_stats + (copy * 2 + parity) * 2 * Traits::kBlockM;
+  }
 };
 
 // The work of one block: kBlockN keys of one (batch, kv head), and the steps (query head of the group, query
