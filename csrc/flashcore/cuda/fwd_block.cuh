@@ -60,18 +60,12 @@ __device__ __forceinline__ bool tile_needs_mask(const FwdParams& p, int m0, int 
   return tile_end > p.seqlen_k || (p.causal && tile_end > (int64_t)m0 + p.causal_offset + 1);
 }
 
-// Writes this warp's normalized O fragments (C layout, kMTiles m16 tiles from block row warp_row0) and their
-// LSE. O goes through the shared Q tile so the global stores are 16 bytes wide; the caller guarantees no thread
-// still reads sQ. Threads [0, kNThreads) take part; `sync` synchronizes exactly them (__syncthreads by default, a
-// named barrier when a block also holds threads that do not).
-struct SyncThreads {
-  __device__ __forceinline__ void operator()() const { __syncthreads(); }
-};
-
-template <typename QTile, int kNThreads, int kMTiles, int kDTiles, typename Element, typename Sync = SyncThreads>
-__device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][4], const float (&lse)[2 * kMTiles],
+// Stages this warp's normalized O fragments (C layout, kMTiles m16 tiles from block row warp_row0) in the shared
+// Q tile (its swizzled layout) and writes their LSE; the caller guarantees no thread still reads sQ.
+template <typename QTile, int kMTiles, int kDTiles, typename Element>
+__device__ __forceinline__ void stage_output(const float (&o)[kMTiles][kDTiles][4], const float (&lse)[2 * kMTiles],
                                              Element* sQ, const FwdBlock<Element>& blk, const FwdParams& p,
-                                             int warp_row0, int lane, Sync sync = Sync{}) {
+                                             int warp_row0, int lane) {
   const int frag_col = 2 * (lane & 3);
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
@@ -89,6 +83,20 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
       }
     }
   }
+}
+
+// stage_output, then the tile to global memory with 16-byte stores by threads [0, kNThreads); `sync`
+// synchronizes exactly them (__syncthreads by default, a named barrier when a block also holds threads that do
+// not).
+struct SyncThreads {
+  __device__ __forceinline__ void operator()() const { __syncthreads(); }
+};
+
+template <typename QTile, int kNThreads, int kMTiles, int kDTiles, typename Element, typename Sync = SyncThreads>
+__device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][4], const float (&lse)[2 * kMTiles],
+                                             Element* sQ, const FwdBlock<Element>& blk, const FwdParams& p,
+                                             int warp_row0, int lane, Sync sync = Sync{}) {
+  stage_output<QTile>(o, lse, sQ, blk, p, warp_row0, lane);
   sync();
   sm80::store_tile<QTile, kNThreads>(sQ, blk.out, p.out_stride.seq, blk.m0, (int)p.seqlen_q, (int)p.head_dim);
 }

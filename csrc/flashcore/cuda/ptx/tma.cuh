@@ -1,4 +1,4 @@
-// Tensor memory accelerator (TMA) loads, sm_90, wrapped once.
+// Tensor memory accelerator (TMA) loads, stores and reductions, sm_90, wrapped once.
 // PTX ISA "Data movement: cp.async.bulk.tensor" (section 9.7.9.25.5.1) and "prefetch.tensormap" (9.7.9.15).
 // A 4-D tiled load copies one box of the tensor described by a CUtensorMap (built on the host, passed as a
 // __grid_constant__ kernel parameter) into shared memory and signals the bytes on an mbarrier (complete_tx).
@@ -21,6 +21,17 @@ __device__ __forceinline__ void tma_load_4d(void* smem_dst, const CUtensorMap* m
       "[%2];\n" ::"r"(smem_addr(smem_dst)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(smem_addr(bar)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
       : "memory");
+}
+
+// Stores one box from shared memory (in the tensor map's swizzle) into the tensor, as one bulk-group operation
+// of this thread; elements outside the tensor are not written. PTX ISA "cp.async.bulk.tensor" (9.7.9.25.5.1),
+// shared::cta to global direction; completion through the bulk async-group (bulk_commit_group / wait below).
+__device__ __forceinline__ void tma_store_4d(const CUtensorMap* map, const void* smem_src, int c0, int c1, int c2,
+                                             int c3) {
+  asm volatile("cp.async.bulk.tensor.4d.global.shared::cta.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(smem_addr(smem_src)), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
 }
 
 // Adds a box of fp32 elements from shared memory into a 2-D tensor in global memory (element-wise atomic in L2),

@@ -29,7 +29,8 @@ constexpr uint32_t kConsumerBarrier = 1;
 // this block, in the same order as the producer's (fwd_sm90_producer.cuh).
 template <typename Traits>
 __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::FwdBlock<typename Traits::Element>& blk,
-                                             const SharedStorage<Traits>& smem, int tile_count, int kv_count) {
+                                             const SharedStorage<Traits>& smem, const CUtensorMap* tm_o,
+                                             int tile_count, int kv_count) {
   using Element = typename Traits::Element;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kStages = Traits::kStages;
   constexpr int kNTiles = kBlockN / 8, kDTiles = Traits::kHeadDim / 8, kKSteps = Traits::kHeadDim / 16;
@@ -164,12 +165,21 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   softmax.finalize(o, lse);
   // Every consumer's wgmma reads of the Q tile have retired (wait_group 0 above) before it is reused to stage O.
   ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
-  cuda::write_output<typename Traits::QTile, Traits::kConsumerThreads>(
-      o, lse, smem.q, blk, p, warp_row0, lane,
-      [] { ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads); });
-  // Release the Q/O buffer to the producer's next Q load: this warp's shared-memory reads and writes (generic
-  // proxy) are ordered before that TMA write (async proxy) by the fence, then the barrier.
+  cuda::stage_output<typename Traits::QTile>(o, lse, smem.q, blk, p, warp_row0, lane);
+  // The staged O (generic-proxy writes) is made visible to TMA (async proxy) by each writer's fence and the
+  // barrier; then one thread stores the tile, one 64-column box a span (rows past seqlen_q and columns past
+  // head_dim are clipped by TMA), and the Q/O buffer goes back to the producer's next Q load only once TMA has
+  // read it: that thread's warp arrives on q_empty after the bulk group's reads completed.
   ptx::fence_proxy_async_shared();
+  ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
+  if (threadIdx.x == 0) {
+    const int b = (int)(blk.bh / p.heads_q), h = (int)(blk.bh % p.heads_q);
+#pragma unroll
+    for (int span = 0; span < Traits::kSpans; ++span)
+      ptx::tma_store_4d(tm_o, smem.q + span * kBlockM * 64, span * 64, m0, h, b);
+    ptx::bulk_commit_group();
+    ptx::bulk_wait_group_read<0>();
+  }
   __syncwarp();
   if (lane == 0) ptx::mbarrier_arrive(smem.q_empty);
 }

@@ -11,7 +11,7 @@
 // Each ring stage has a "full" mbarrier (TMA signals the bytes) and an "empty" one (each consumer warp arrives
 // once its wgmma reading the stage has retired), so loads run kStages tiles ahead, across tile boundaries too,
 // and no __syncthreads() is needed after setup. The Q buffer has the same pair (q_full, q_empty): the epilogue
-// stages O in it, and the next tile's Q is loaded once every consumer warp has finished its epilogue. While one
+// stages O in it and stores it with TMA, and the next tile's Q is loaded once TMA has read it. While one
 // consumer warpgroup runs its softmax the other's GEMMs use the tensor cores (fwd_sm90_issue_turns.cuh).
 //
 // Shared tiles use SmemTile's 64-element spans: one TMA box (64 columns x rows, 128-byte swizzle) fills one span,
@@ -57,7 +57,7 @@ template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads, 1)
     fwd_sm90_kernel(const __grid_constant__ FwdParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
-                    const int num_m_blocks, const int num_tiles) {
+                    const __grid_constant__ CUtensorMap tm_o, const int num_m_blocks, const int num_tiles) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   using Element = typename Traits::Element;
   extern __shared__ unsigned char smem_raw[];
@@ -89,8 +89,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     }
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
+    if (threadIdx.x == 0) ptx::tma_prefetch_descriptor(&tm_o);
     for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
-      consume_tile<Traits>(p, blk, smem, tile_count, kv_count);
+      consume_tile<Traits>(p, blk, smem, &tm_o, tile_count, kv_count);
     });
   }
 #endif

@@ -32,6 +32,9 @@ void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
                                                 Traits::kBlockN, kBf16);
   const CUtensorMap tm_v = make_tensor_map_bhsd(p.v, p.v_stride, p.batch, p.heads_kv, p.seqlen_k, p.head_dim,
                                                 Traits::kBlockN, kBf16);
+  // out is empty_like(query): fresh, and dense with a contiguous last dim, so TMA can always describe it.
+  const CUtensorMap tm_o = make_tensor_map_bhsd(p.out, p.out_stride, p.batch, p.heads_q, p.seqlen_q, p.head_dim,
+                                                Traits::kBlockM, kBf16);
 
   const int num_m_blocks = (int)((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   const int64_t num_tiles = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked <= INT32_MAX
@@ -47,7 +50,7 @@ void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
   const bool persistent =
       Traits::kPersistent && !p.causal && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
   const int64_t grid = (persistent && num_tiles > num_sms) ? num_sms : num_tiles;
-  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, num_m_blocks,
+  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, tm_o, num_m_blocks,
                                                                             (int)num_tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
