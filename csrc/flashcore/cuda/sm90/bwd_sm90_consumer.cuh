@@ -102,6 +102,64 @@ struct BwdRowStats {
   }
 };
 
+// P^T in place of S^T (kQTiles n8 tiles of this thread's accumulator rows, keys key_lo and key_lo + 8; query
+// columns col0 + 8 ni + 2t (+1) of the step, lse in log2 units from the staged row stats): masked entries -> 0.
+template <int kQTiles>
+__device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], const float* lse_log2, const BwdParams& p,
+                                                int m0, int col0, int key_lo, int seqlen_k, bool needs_mask, int t) {
+#pragma unroll
+  for (int ni = 0; ni < kQTiles; ++ni) {
+    const int col = col0 + ni * 8 + 2 * t;  // query m0 + col, m0 + col + 1
+    const float2 lse = *reinterpret_cast<const float2*>(lse_log2 + col);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = s[4 * ni + e] * p.scale_log2 - ((e & 1) ? lse.y : lse.x);
+      if (needs_mask) {
+        const int key = key_lo + ((e & 2) ? 8 : 0);
+        const int64_t query = m0 + col + (e & 1);
+        if (key >= seqlen_k || (p.causal && key > query + p.causal_offset)) x = -INFINITY;
+      }
+      s[4 * ni + e] = exp2f(x);
+    }
+  }
+}
+
+// dS^T = P^T * (dP^T - dsum[query]) in place of dP^T, for the same columns as probabilities_t.
+template <int kQTiles>
+__device__ __forceinline__ void dscores_t(float (&dp)[4 * kQTiles], const float (&pt)[4 * kQTiles], const float* dsum,
+                                          int col0, int t) {
+#pragma unroll
+  for (int ni = 0; ni < kQTiles; ++ni) {
+    const float2 d = *reinterpret_cast<const float2*>(dsum + col0 + ni * 8 + 2 * t);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dp[4 * ni + e] = pt[4 * ni + e] * (dp[4 * ni + e] - ((e & 1) ? d.y : d.x));
+  }
+}
+
+// Epilogue: dK (scaled) and dV of this thread's two keys (key_lo, key_lo + 8), columns col0 + 8 ni + 2t (+1),
+// straight from the accumulators.
+template <typename Element, int kCols>
+__device__ __forceinline__ void write_dk_dv(const float (&dk)[kCols / 2], const float (&dv)[kCols / 2],
+                                            const BwdParams& p, const BwdBlock& blk, int key_lo, int col0, int t) {
+  Element* dk_out = static_cast<Element*>(p.dk) + blk.b * p.dk_stride.batch + blk.h_kv * p.dk_stride.head;
+  Element* dv_out = static_cast<Element*>(p.dv) + blk.b * p.dv_stride.batch + blk.h_kv * p.dv_stride.head;
+  const int head_dim = (int)p.head_dim;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int key = key_lo + 8 * half;
+    if (key >= (int)p.seqlen_k) continue;
+#pragma unroll
+    for (int ni = 0; ni < kCols / 8; ++ni) {
+      const int col = col0 + ni * 8 + 2 * t;
+      if (col >= head_dim) continue;
+      *reinterpret_cast<uint32_t*>(dk_out + key * p.dk_stride.seq + col) =
+          sm80::pack2<Element>(dk[4 * ni + 2 * half] * p.scale, dk[4 * ni + 2 * half + 1] * p.scale);
+      *reinterpret_cast<uint32_t*>(dv_out + key * p.dv_stride.seq + col) =
+          sm80::pack2<Element>(dv[4 * ni + 2 * half], dv[4 * ni + 2 * half + 1]);
+    }
+  }
+}
+
 template <typename Traits>
 __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& blk,
                                             const BwdSharedStorage<Traits>& smem, const float* __restrict__ dsum,
@@ -169,21 +227,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
     const bool needs_mask = cuda::tile_needs_mask<kBlockN>(p, m0, blk.n_block);
-#pragma unroll
-    for (int ni = 0; ni < kQTiles; ++ni) {
-      const int col = ni * 8 + 2 * t;  // query m0 + col, m0 + col + 1
-      const float2 lse = *reinterpret_cast<const float2*>(stats + col);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * ni + e] * p.scale_log2 - ((e & 1) ? lse.y : lse.x);
-        if (needs_mask) {
-          const int key = key_lo + ((e & 2) ? 8 : 0);
-          const int64_t query = m0 + col + (e & 1);
-          if (key >= seqlen_k || (p.causal && key > query + p.causal_offset)) x = -INFINITY;
-        }
-        s[4 * ni + e] = exp2f(x);
-      }
-    }
+    probabilities_t<kQTiles>(s, stats, p, m0, 0, key_lo, seqlen_k, needs_mask, t);
     // dV needs only P: with 64-row steps it goes to the tensor cores behind dP^T and runs while dS is computed.
     // With 128-row steps P, dP and P's fragments would not fit in registers together: dV waits for dS.
     constexpr bool kDvBeforeDs = kBlockM == 64;
@@ -202,12 +246,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
       ptx::wgmma_wait<0>();
     }
     ptx::fence_operand(dp);
-#pragma unroll
-    for (int ni = 0; ni < kQTiles; ++ni) {
-      const float2 d = *reinterpret_cast<const float2*>(stats + kBlockM + ni * 8 + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[4 * ni + e] = s[4 * ni + e] * (dp[4 * ni + e] - ((e & 1) ? d.y : d.x));
-    }
+    dscores_t<kQTiles>(dp, s, stats + kBlockM, 0, t);
     pack_a_fragments<Element>(dp, dsa);
     if constexpr (!kDvBeforeDs) {
       pack_a_fragments<Element>(s, pa);
@@ -303,24 +342,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     if (lane == 0) ptx::mbarrier_arrive(&smem.qdo_empty[stage]);  // Q and dO of this stage are no longer read
   }
 
-  // Epilogue: dK (scaled) and dV of this thread's two keys, straight from the accumulators.
-  Element* dk_out = static_cast<Element*>(p.dk) + blk.b * p.dk_stride.batch + blk.h_kv * p.dk_stride.head;
-  Element* dv_out = static_cast<Element*>(p.dv) + blk.b * p.dv_stride.batch + blk.h_kv * p.dv_stride.head;
-  const int head_dim = (int)p.head_dim;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = key_lo + 8 * half;
-    if (key >= seqlen_k) continue;
-#pragma unroll
-    for (int ni = 0; ni < kHeadDim / 8; ++ni) {
-      const int col = ni * 8 + 2 * t;
-      if (col >= head_dim) continue;
-      *reinterpret_cast<uint32_t*>(dk_out + key * p.dk_stride.seq + col) =
-          sm80::pack2<Element>(dk[4 * ni + 2 * half] * p.scale, dk[4 * ni + 2 * half + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dv_out + key * p.dv_stride.seq + col) =
-          sm80::pack2<Element>(dv[4 * ni + 2 * half], dv[4 * ni + 2 * half + 1]);
-    }
-  }
+  write_dk_dv<Element, kHeadDim>(dk, dv, p, blk, key_lo, 0, t);
 }
 
 }  // namespace flashcore::sm90

@@ -97,29 +97,10 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
     const bool needs_mask = cuda::tile_needs_mask<kBlockN>(p, m0, blk.n_block);
-#pragma unroll
-    for (int ni = 0; ni < kQTiles; ++ni) {
-      const int col = q_lo + ni * 8 + 2 * t;  // query m0 + col, m0 + col + 1
-      const float2 lse = *reinterpret_cast<const float2*>(stats + col);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * ni + e] * p.scale_log2 - ((e & 1) ? lse.y : lse.x);
-        if (needs_mask) {
-          const int key = key_lo + ((e & 2) ? 8 : 0);
-          const int64_t query = m0 + col + (e & 1);
-          if (key >= seqlen_k || (p.causal && key > query + p.causal_offset)) x = -INFINITY;
-        }
-        s[4 * ni + e] = exp2f(x);
-      }
-    }
+    probabilities_t<kQTiles>(s, stats, p, m0, q_lo, key_lo, seqlen_k, needs_mask, t);
     ptx::wgmma_wait<0>();
     ptx::fence_operand(dp);
-#pragma unroll
-    for (int ni = 0; ni < kQTiles; ++ni) {
-      const float2 d = *reinterpret_cast<const float2*>(stats + kBlockM + q_lo + ni * 8 + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[4 * ni + e] = s[4 * ni + e] * (dp[4 * ni + e] - ((e & 1) ? d.y : d.x));
-    }
+    dscores_t<kQTiles>(dp, s, stats + kBlockM, q_lo, t);
 
     // This warpgroup's query columns of P^T and dS^T (rows = keys) to shared memory, the next step's lse/dsum
     // beside them; the fence and the barrier make every consumer's writes visible to every consumer's wgmma.
@@ -195,24 +176,7 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
     if (lane == 0) ptx::mbarrier_arrive(&smem.qdo_empty[stage]);  // Q of this stage is no longer read
   }
 
-  // Epilogue: dK (scaled) and dV of this thread's two keys and this warpgroup's columns.
-  Element* dk_out = static_cast<Element*>(p.dk) + blk.b * p.dk_stride.batch + blk.h_kv * p.dk_stride.head;
-  Element* dv_out = static_cast<Element*>(p.dv) + blk.b * p.dv_stride.batch + blk.h_kv * p.dv_stride.head;
-  const int head_dim = (int)p.head_dim;
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = key_lo + 8 * half;
-    if (key >= seqlen_k) continue;
-#pragma unroll
-    for (int ni = 0; ni < kWgCols / 8; ++ni) {
-      const int col = kWgCols * wg + ni * 8 + 2 * t;
-      if (col >= head_dim) continue;
-      *reinterpret_cast<uint32_t*>(dk_out + key * p.dk_stride.seq + col) =
-          sm80::pack2<Element>(dk[4 * ni + 2 * half] * p.scale, dk[4 * ni + 2 * half + 1] * p.scale);
-      *reinterpret_cast<uint32_t*>(dv_out + key * p.dv_stride.seq + col) =
-          sm80::pack2<Element>(dv[4 * ni + 2 * half], dv[4 * ni + 2 * half + 1]);
-    }
-  }
+  write_dk_dv<Element, kWgCols>(dk, dv, p, blk, key_lo, kWgCols * wg, t);  // this warpgroup's columns
 }
 
 }  // namespace flashcore::sm90
