@@ -269,10 +269,11 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     ptx::fence_proxy_async_shared();
     consumers_sync();
 
-    // dQ of kDqMTiles m64 query tiles (a 64-query span of dS^T each), in kDqColChunks 64-column chunks. Split by
-    // head-dim columns: all kBlockN keys, span wg of K. Split by keys: this warpgroup's 64 keys, every column.
-    constexpr int kDqMTiles = kBlockM / 64, kDqColChunks = Traits::kDqCols / 64;
-    static_assert(kDqColChunks <= 2, "the dQ chunk order below is written for one or two column chunks");
+    // dQ of kDqMTiles m64 query tiles (a 64-query span of dS^T each), 64 columns. Split by head-dim columns: all
+    // kBlockN keys, span wg of K. Split by keys: this warpgroup's 64 keys, every column (head dim 64 only; by keys
+    // at head dim 128 measured 12-15 % slower, bwd_sm90_config.cuh).
+    constexpr int kDqMTiles = kBlockM / 64;
+    static_assert(Traits::kDqCols == 64, "one 64-column dQ GEMM a warpgroup and step");
     if constexpr (!kDvBeforeDs) {
       ptx::wgmma_wait<0>();  // dV has retired (it ran during the barrier): P's fragments make room for dQ
 #pragma unroll
@@ -282,19 +283,19 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     const uint32_t ds_addr = ptx::smem_addr(ds);
     const uint32_t ds_a = Traits::kDqSplitKeys ? ds_addr + 64 * wg * 128 : ds_addr;
     const uint32_t k_b = Traits::kDqSplitKeys ? k_addr + 64 * wg * 128 : k_addr + wg * kBlockN * 128;
-    auto issue_dq = [&](int chunk) {
+    auto issue_dq = [&] {
       ptx::wgmma_fence();
 #pragma unroll
       for (int mt = 0; mt < kDqMTiles; ++mt) {
 #pragma unroll
         for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk)
           MmaDQ::ss_mn(dq[mt], mnmajor_desc(ds_a + mt * kBlockN * 128, kBlockN, kk),
-                       mnmajor_desc(k_b + chunk * kBlockN * 128, kBlockN, kk), kk > 0);
+                       mnmajor_desc(k_b, kBlockN, kk), kk > 0);
       }
       ptx::wgmma_commit();
     };
-    // dQ chunk (rows: queries m0 + 64 mt + warp_row + g (+ 8)) to its columns of the staging tile.
-    auto stage_dq = [&](int chunk) {
+    // dQ (rows: queries m0 + 64 mt + warp_row + g (+ 8)) to the staging tile.
+    auto stage_dq = [&] {
 #pragma unroll
       for (int mt = 0; mt < kDqMTiles; ++mt) {
 #pragma unroll
@@ -302,18 +303,18 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
           const int row = 64 * mt + warp_row + g + 8 * half;
 #pragma unroll
           for (int ni = 0; ni < 8; ++ni)
-            *reinterpret_cast<float2*>(dq_stage + dq_staging_offset<kBlockM>(row, 64 * chunk + ni * 8 + 2 * t)) =
+            *reinterpret_cast<float2*>(dq_stage + dq_staging_offset<kBlockM>(row, ni * 8 + 2 * t)) =
                 make_float2(dq[mt][4 * ni + 2 * half] * p.scale, dq[mt][4 * ni + 2 * half + 1] * p.scale);
         }
       }
     };
-    issue_dq(0);
+    issue_dq();
     // dK next: it runs on the tensor cores while dQ is staged and handed to TMA below.
     ptx::wgmma_fence();
 #pragma unroll
     for (int kk = 0; kk < kBlockM / 16; ++kk) MmaKV::rs(dk, dsa[kk], mnmajor_desc(q_addr, kBlockM, kk), true);
     ptx::wgmma_commit();
-    ptx::wgmma_wait<1>();  // groups retire in order: dV and dQ's first chunk are done
+    ptx::wgmma_wait<1>();  // groups retire in order: dV and dQ are done
 #pragma unroll
     for (int mt = 0; mt < kDqMTiles; ++mt) ptx::fence_operand(dq[mt]);
     ptx::fence_operand(dv);
@@ -323,14 +324,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     // The staged tile: each warp signals dq_full, and the dQ writer (bwd_sm90_producer.cuh) adds the tile to the
     // accumulator through TMA: bulk transfers instead of 8192 atomics, and no consumer waits for another.
     ptx::mbarrier_wait(&smem.dq_empty[wg], ptx::empty_parity(step));  // the writer has read the previous step's
-    stage_dq(0);
-    if constexpr (kDqColChunks == 2) {
-      issue_dq(1);
-      ptx::wgmma_wait<0>();
-#pragma unroll
-      for (int mt = 0; mt < kDqMTiles; ++mt) ptx::fence_operand(dq[mt]);
-      stage_dq(1);
-    }
+    stage_dq();
     ptx::fence_proxy_async_shared();
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&smem.dq_full[wg]);
