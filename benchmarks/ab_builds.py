@@ -1,0 +1,105 @@
+"""A/B of several builds of the extension in one run: each `_C.abi3.so` is swapped into `flashcore/` in turn and
+`bench.py` runs in a fresh process; variants alternate over --reps rounds, so drift on a shared GPU falls on all
+of them alike. The summary gives, per shape and mode, flashcore's TFLOP/s (forward, or backward for fwdbwd) and
+its ratio to a reference backend measured in the same process, median over the rounds.
+
+    python benchmarks/ab_builds.py base.so variant.so --reps 2 -- \\
+        --shape 4,16,16,8192,8192,128,bf16,0 --modes fwd --backends flashcore,sdpa-cudnn --no-graph
+
+Build the variants first (e.g. `git apply docs/experiments/X.patch`, a dev build, `strip --strip-debug` the
+`.so` to a new name); docs/experiments/README.md lists the prepared ones. The installed `.so` is restored at the
+end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+INSTALLED = os.path.join(ROOT, "flashcore", "_C.abi3.so")
+
+
+def metric(rec_mode: dict, backend: str) -> float | None:
+    r = rec_mode.get("backends", {}).get(backend) or {}
+    if rec_mode.get("mode") == "fwdbwd":
+        return r.get("bwd_tflops")
+    return r.get("tflops")
+
+
+def main() -> int:
+    argv = sys.argv[1:]
+    bench_args = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, bench_args = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("builds", nargs="+", help="extension files (.so) to compare; the first is the baseline")
+    p.add_argument("--reps", type=int, default=2, help="rounds over all builds (default 2)")
+    p.add_argument("--ref", default=None, help="reference backend for the ratio (default: sdpa-cudnn if run, "
+                   "else sdpa)")
+    args = p.parse_args(argv)
+    for b in args.builds:
+        if not os.path.isfile(b):
+            p.error(f"no such build: {b}")
+
+    out_dir = tempfile.mkdtemp(prefix="flashcore_ab_")
+    backup = os.path.join(out_dir, "installed.so")
+    if os.path.exists(INSTALLED):
+        shutil.copy2(INSTALLED, backup)
+    runs: dict[str, list[dict]] = {b: [] for b in args.builds}
+    try:
+        for rep in range(args.reps):
+            for i, build in enumerate(args.builds):
+                shutil.copy2(build, INSTALLED)
+                path = os.path.join(out_dir, f"v{i}_r{rep}.json")
+                print(f"== {build} (round {rep + 1}/{args.reps})", flush=True)
+                cmd = [sys.executable, os.path.join(HERE, "bench.py"), *bench_args, "--json", path]
+                subprocess.run(cmd, check=True, cwd=ROOT)
+                with open(path) as f:
+                    runs[build].append(json.load(f))
+    finally:
+        if os.path.exists(backup):
+            shutil.copy2(backup, INSTALLED)
+
+    # rows[(label, dtype, causal, mode)][build] = [(tflops, ratio), ...]
+    rows: dict[tuple, dict[str, list[tuple]]] = {}
+    for build, docs in runs.items():
+        for doc in docs:
+            for rec in doc["results"]:
+                s = rec["shape"]
+                for m in rec["modes"]:
+                    ref = args.ref or ("sdpa-cudnn" if "sdpa-cudnn" in m.get("backends", {}) else "sdpa")
+                    fc, other = metric(m, "flashcore"), metric(m, ref)
+                    key = (rec["label"], s["dtype"], "causal" if s["causal"] else "full", m["mode"], ref)
+                    ratio = fc / other if fc and other else None
+                    rows.setdefault(key, {}).setdefault(build, []).append((fc, ratio))
+
+    def med(vals):
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    print("\nflashcore TFLOP/s (backward TFLOP/s for fwdbwd) and ratio to the reference, median over rounds")
+    names = [os.path.basename(b) for b in args.builds]
+    print(f"{'shape':<34} {'mode':<7} " + " ".join(f"{n[:22]:>24}" for n in names))
+    for key, per in rows.items():
+        label, dtype, causal, mode, ref = key
+        cells = []
+        for b in args.builds:
+            vals = per.get(b, [])
+            t, r = med([v[0] for v in vals]), med([v[1] for v in vals])
+            cells.append(f"{t:8.1f} ({r:.3f} {ref[-5:]})" if t and r else f"{'-':>24}")
+        print(f"{label + ' ' + dtype + ' ' + causal:<34} {mode:<7} " + " ".join(f"{c:>24}" for c in cells))
+    print(f"\nraw JSON in {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
