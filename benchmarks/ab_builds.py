@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import shutil
 import statistics
 import subprocess
@@ -45,6 +46,9 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=2, help="rounds over all builds (default 2)")
     p.add_argument("--ref", default=None, help="reference backend for the ratio (default: sdpa-cudnn if run, "
                    "else sdpa)")
+    p.add_argument("--pytest", default=None, metavar="ARGS",
+                   help="before the first round, run `pytest ARGS` with each build installed (e.g. \"tests/test_cuda.py "
+                   "-q -x -k 'sm90 and forward'\"); a build whose tests fail is reported and left out of the timing")
     args = p.parse_args(argv)
     for b in args.builds:
         if not os.path.isfile(b):
@@ -55,9 +59,21 @@ def main() -> int:
     if os.path.exists(INSTALLED):
         shutil.copy2(INSTALLED, backup)
     runs: dict[str, list[dict]] = {b: [] for b in args.builds}
+    failed = []
     try:
+        if args.pytest:
+            for build in args.builds:
+                shutil.copy2(build, INSTALLED)
+                print(f"== pytest {args.pytest} with {build}", flush=True)
+                rc = subprocess.run([sys.executable, "-m", "pytest", *shlex.split(args.pytest)], cwd=ROOT).returncode
+                if rc != 0:
+                    print(f"!! tests failed with {build} (exit {rc}): left out of the timing", flush=True)
+                    failed.append(build)
+                    runs.pop(build)
         for rep in range(args.reps):
             for i, build in enumerate(args.builds):
+                if build in failed:
+                    continue
                 shutil.copy2(build, INSTALLED)
                 path = os.path.join(out_dir, f"v{i}_r{rep}.json")
                 print(f"== {build} (round {rep + 1}/{args.reps})", flush=True)
@@ -87,18 +103,21 @@ def main() -> int:
         return statistics.median(vals) if vals else None
 
     print("\nflashcore TFLOP/s (backward TFLOP/s for fwdbwd) and ratio to the reference, median over rounds")
-    names = [os.path.basename(b) for b in args.builds]
+    timed = [b for b in args.builds if b not in failed]
+    names = [os.path.basename(b) for b in timed]
     print(f"{'shape':<34} {'mode':<7} " + " ".join(f"{n[:22]:>24}" for n in names))
     for key, per in rows.items():
         label, dtype, causal, mode, ref = key
         cells = []
-        for b in args.builds:
+        for b in timed:
             vals = per.get(b, [])
             t, r = med([v[0] for v in vals]), med([v[1] for v in vals])
             cells.append(f"{t:8.1f} ({r:.3f} {ref[-5:]})" if t and r else f"{'-':>24}")
         print(f"{label + ' ' + dtype + ' ' + causal:<34} {mode:<7} " + " ".join(f"{c:>24}" for c in cells))
     print(f"\nraw JSON in {out_dir}")
-    return 0
+    if failed:
+        print("tests failed with: " + ", ".join(failed))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
