@@ -28,11 +28,25 @@ ROOT = os.path.dirname(HERE)
 INSTALLED = os.path.join(ROOT, "flashcore", "_C.abi3.so")
 
 
-def metric(rec_mode: dict, backend: str) -> float | None:
+def metric(rec_mode: dict, backend: str, graph: bool) -> float | None:
+    """TFLOP/s (backward-only for fwdbwd when bench.py ran fwd too, else fwd+bwd), or with graph the per-call
+    time in a CUDA graph in microseconds."""
     r = rec_mode.get("backends", {}).get(backend) or {}
-    if rec_mode.get("mode") == "fwdbwd":
-        return r.get("bwd_tflops")
+    if graph:
+        return r["graph_ms"] * 1e3 if r.get("graph_ms") else None
+    if rec_mode.get("mode") == "fwdbwd" and r.get("bwd_tflops"):
+        return r["bwd_tflops"]
     return r.get("tflops")
+
+
+def reference(rec_mode: dict, wanted: str | None) -> str:
+    names = [n for n in rec_mode.get("backends", {}) if n != "flashcore"]
+    if wanted:
+        return wanted
+    for n in ("sdpa-cudnn", "sdpa"):
+        if n in names:
+            return n
+    return names[0] if names else "sdpa"
 
 
 def main() -> int:
@@ -45,7 +59,10 @@ def main() -> int:
     p.add_argument("builds", nargs="+", help="extension files (.so) to compare; the first is the baseline")
     p.add_argument("--reps", type=int, default=2, help="rounds over all builds (default 2)")
     p.add_argument("--ref", default=None, help="reference backend for the ratio (default: sdpa-cudnn if run, "
-                   "else sdpa)")
+                   "else sdpa, else the first other backend)")
+    p.add_argument("--graph", action="store_true", help="compare per-call time in a CUDA graph (microseconds, "
+                   "lower is better) instead of TFLOP/s; bench.py must not get --no-graph")
+    p.add_argument("--keep", default=None, metavar="DIR", help="write the raw JSON of every run into DIR")
     p.add_argument("--pytest", default=None, metavar="ARGS",
                    help="before the first round, run `pytest ARGS` with each build installed (e.g. \"tests/test_cuda.py "
                    "-q -x -k 'sm90 and forward'\"); a build whose tests fail is reported and left out of the timing")
@@ -54,8 +71,9 @@ def main() -> int:
         if not os.path.isfile(b):
             p.error(f"no such build: {b}")
 
-    out_dir = tempfile.mkdtemp(prefix="flashcore_ab_")
-    backup = os.path.join(out_dir, "installed.so")
+    out_dir = args.keep or tempfile.mkdtemp(prefix="flashcore_ab_")
+    os.makedirs(out_dir, exist_ok=True)
+    backup = os.path.join(tempfile.mkdtemp(prefix="flashcore_ab_backup_"), "installed.so")
     if os.path.exists(INSTALLED):
         shutil.copy2(INSTALLED, backup)
     runs: dict[str, list[dict]] = {b: [] for b in args.builds}
@@ -92,17 +110,19 @@ def main() -> int:
             for rec in doc["results"]:
                 s = rec["shape"]
                 for m in rec["modes"]:
-                    ref = args.ref or ("sdpa-cudnn" if "sdpa-cudnn" in m.get("backends", {}) else "sdpa")
-                    fc, other = metric(m, "flashcore"), metric(m, ref)
+                    ref = reference(m, args.ref)
+                    fc, other = metric(m, "flashcore", args.graph), metric(m, ref, args.graph)
                     key = (rec["label"], s["dtype"], "causal" if s["causal"] else "full", m["mode"], ref)
-                    ratio = fc / other if fc and other else None
+                    ratio = (other / fc if args.graph else fc / other) if fc and other else None
                     rows.setdefault(key, {}).setdefault(build, []).append((fc, ratio))
 
     def med(vals):
         vals = [v for v in vals if v is not None]
         return statistics.median(vals) if vals else None
 
-    print("\nflashcore TFLOP/s (backward TFLOP/s for fwdbwd) and ratio to the reference, median over rounds")
+    what = ("per-call time in a CUDA graph (us) and speed ratio (reference time / flashcore time)" if args.graph
+            else "TFLOP/s (backward-only for fwdbwd when fwd ran too, else fwd+bwd) and ratio to the reference")
+    print(f"\nflashcore {what}, median over rounds")
     timed = [b for b in args.builds if b not in failed]
     names = [os.path.basename(b) for b in timed]
     print(f"{'shape':<34} {'mode':<7} " + " ".join(f"{n[:22]:>24}" for n in names))
@@ -112,7 +132,7 @@ def main() -> int:
         for b in timed:
             vals = per.get(b, [])
             t, r = med([v[0] for v in vals]), med([v[1] for v in vals])
-            cells.append(f"{t:8.1f} ({r:.3f} {ref[-5:]})" if t and r else f"{'-':>24}")
+            cells.append(f"{t:8.2f} ({r:.3f} {ref[-5:]})" if t and r else f"{'-':>24}")
         print(f"{label + ' ' + dtype + ' ' + causal:<34} {mode:<7} " + " ".join(f"{c:>24}" for c in cells))
     print(f"\nraw JSON in {out_dir}")
     if failed:

@@ -93,6 +93,23 @@ def test_forward_block_heights(request, family, dtype, head_dim, mask, shape):
     _check_forward(q, k, v, mask)
 
 
+# Long key sequences: the sm90 launcher switches unmasked head-dim-128 calls to wider key tiles from
+# FwdSm90Config::kWideMinKeys (4096) keys on; 4500 and 8193 keys end in a partial tile of either width.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 300, 4500), (2, 2, 2, 65, 8193), (1, 2, 2, 200, 4095)],
+                         ids=lambda s: "x".join(map(str, s)))
+def test_forward_long_keys(request, family, dtype, head_dim, mask, shape):
+    B, Hq, Hkv, Sq, Sk = shape
+    g = make_generator(request, DEV)
+    layout = "bshd" if Sq % 2 == 0 else "bhsd"
+    q = randn((B, Hq, Sq, head_dim), dtype, g, DEV, layout=layout)
+    k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=layout)
+    v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=layout)
+    _check_forward(q, k, v, mask)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_forward_misaligned_and_strided(request, family, dtype, head_dim):

@@ -93,6 +93,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     ptx::cp_async_commit();
 
     uint32_t q_regs[kMTiles][Traits::kQInRegs ? kKSteps : 1][4];
+    const LaneOffsets a_off = lane_offsets_a(lane), b_off = lane_offsets_b(lane);
     const bool negative_scale = !(p.scale_log2 > 0.f);  // also 0, where -inf * 0 would be NaN
     const float softmax_scale = negative_scale ? 1.f : p.scale_log2;
 
@@ -113,7 +114,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 
       float s[kMTiles][kNTiles][4];
       gemm_qk<QTile, KVTile, kMTiles, kNTiles, kKSteps, Traits::kQInRegs>(s, q_regs, sQ, sK + buf * KVTile::kElems,
-                                                                         warp_row0, lane);
+                                                                         warp_row0, lane, a_off, b_off);
 
       // A non-positive softmax scale reverses (or flattens) the order of scores: scale them first (before
       // masking, so -inf stays -inf) and let the softmax use 1. The usual positive scale is folded into the
@@ -129,8 +130,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
         apply_mask(s, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
 
-      softmax.update(s, o, softmax_scale);
-
+      // Wait for V before the softmax, not after it, and rescale o unconditionally (no warp-uniform branch on
+      // whether a row max moved): the softmax and P V then form one basic block, and the compiler interleaves the
+      // exp2 of later key columns with the MMAs of earlier ones, as FlashAttention-2's SASS does.
       ptx::cp_async_wait<1>();  // V[n_block] has landed
       __syncthreads();
       if (it + 1 < n_blocks)
@@ -138,7 +140,12 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
                                            (n_block - 1) * kBlockN, seqlen_k, head_dim);
       ptx::cp_async_commit();
 
-      gemm_pv<KVTile, kMTiles, kNTiles, kDTiles>(o, s, sV + buf * KVTile::kElems, lane);
+      {
+        float correction[2 * kMTiles];
+        softmax.step(s, softmax_scale, correction);
+        softmax.rescale(o, correction, true);
+      }
+      gemm_pv<KVTile, kMTiles, kNTiles, kDTiles>(o, s, sV + buf * KVTile::kElems, lane, a_off);
     }
     ptx::cp_async_wait<0>();
   }

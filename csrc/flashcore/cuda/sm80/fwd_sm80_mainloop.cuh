@@ -36,6 +36,30 @@ __device__ __forceinline__ int a_frag_offset(int row_base, int ks, int lane) {
   return Tile::chunk_offset(row_base + (lane & 7) + ((lane >> 3) & 1) * 8, 2 * ks + (lane >> 4));
 }
 
+// ldmatrix lane addresses with no arithmetic per load, for tiles of 64-column spans (128-byte rows). The byte
+// offset of (row, chunk) is span * kRows * 128 + row * 128 + 16 * (c ^ (row & 7)), c = chunk % 8. A lane reads
+// row R + lr of a fragment (R a multiple of 16, lr < 16) and chunk 2 ks + b (b its half of the k16 step); with
+// k = ks % 4, 16 * ((2 k + b) ^ (lr & 7)) = (32 k) ^ (16 * (b ^ (lr & 7))). So four offsets per lane, one per k,
+// serve every fragment of the main loop, R and the span adding compile-time (or per-warp) constants.
+struct LaneOffsets {
+  uint32_t k[4];
+};
+
+__device__ __forceinline__ LaneOffsets lane_offsets(int lr, int b) {
+  LaneOffsets o;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) o.k[k] = (uint32_t)(lr * 128 + ((32 * k) ^ (16 * (b ^ (lr & 7)))));
+  return o;
+}
+// The A operand (Q) and the transposed B operand (V) of the forward: lane rows (lane & 7) + 8 * bit 3, half bit 4.
+__device__ __forceinline__ LaneOffsets lane_offsets_a(int lane) {
+  return lane_offsets((lane & 7) + ((lane >> 3) & 1) * 8, lane >> 4);
+}
+// The B operand (K, keys as rows): lane rows (lane & 7) + 8 * bit 4, half bit 3.
+__device__ __forceinline__ LaneOffsets lane_offsets_b(int lane) {
+  return lane_offsets((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1);
+}
+
 template <typename QTile, int kMTiles, int kKSteps, typename Element>
 __device__ __forceinline__ void load_q_fragments(uint32_t (&q)[kMTiles][kKSteps][4], const Element* sQ,
                                                  int warp_row0, int lane) {
@@ -53,7 +77,8 @@ template <typename QTile, typename KTile, int kMTiles, int kNTiles, int kKSteps,
           typename Element>
 __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4],
                                         const uint32_t (&q_regs)[kMTiles][kQRegSteps][4],
-                                        const Element* sQ, const Element* sK, int warp_row0, int lane) {
+                                        const Element* sQ, const Element* sK, int warp_row0, int lane,
+                                        const LaneOffsets& a_off, const LaneOffsets& b_off) {
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
@@ -63,6 +88,7 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4],
 
   const uint32_t q_base = ptx::smem_addr(sQ);
   const uint32_t k_base = ptx::smem_addr(sK);
+  constexpr bool kWideSpans = QTile::kSpanChunks == 8 && KTile::kSpanChunks == 8;
 #pragma unroll
   for (int ks = 0; ks < kKSteps; ++ks) {
     uint32_t a[kMTiles][4];
@@ -72,15 +98,23 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4],
 #pragma unroll
         for (int e = 0; e < 4; ++e) a[mi][e] = q_regs[mi][kQRegSteps > 1 ? ks : 0][e];
       } else {
-        ptx::ldmatrix_x4(a[mi], q_base + a_frag_offset<QTile>(warp_row0 + mi * 16, ks, lane) * 2);
+        if constexpr (kWideSpans)
+          ptx::ldmatrix_x4(a[mi], q_base + (ks / 4) * QTile::kNumRows * 128 + (warp_row0 + mi * 16) * 128 +
+                                      a_off.k[ks % 4]);
+        else
+          ptx::ldmatrix_x4(a[mi], q_base + a_frag_offset<QTile>(warp_row0 + mi * 16, ks, lane) * 2);
       }
     }
 #pragma unroll
     for (int np = 0; np < kNTiles / 2; ++np) {
       // Matrices (keys 0-7 | 8-15 of this pair) x (k cols 0-7 | 8-15): b0/b1 of n-tile 2np, then of 2np + 1.
       uint32_t b[4];
-      const int key = np * 16 + (lane & 7) + (lane >> 4) * 8;
-      ptx::ldmatrix_x4(b, k_base + KTile::chunk_offset(key, 2 * ks + ((lane >> 3) & 1)) * 2);
+      if constexpr (kWideSpans) {
+        ptx::ldmatrix_x4(b, k_base + (ks / 4) * KTile::kNumRows * 128 + np * 16 * 128 + b_off.k[ks % 4]);
+      } else {
+        const int key = np * 16 + (lane & 7) + (lane >> 4) * 8;
+        ptx::ldmatrix_x4(b, k_base + KTile::chunk_offset(key, 2 * ks + ((lane >> 3) & 1)) * 2);
+      }
       const uint32_t b_lo[2] = {b[0], b[1]};
       const uint32_t b_hi[2] = {b[2], b[3]};
 #pragma unroll
@@ -95,7 +129,7 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4],
 // O += P V for this warp's rows; p holds probabilities in the C layout of S (two n8 tiles form one k16 A tile).
 template <typename VTile, int kMTiles, int kNTiles, int kDTiles, typename Element>
 __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kDTiles][4], const float (&p)[kMTiles][kNTiles][4],
-                                        const Element* sV, int lane) {
+                                        const Element* sV, int lane, const LaneOffsets& v_off) {
   const uint32_t v_base = ptx::smem_addr(sV);
 #pragma unroll
   for (int kk = 0; kk < kNTiles / 2; ++kk) {
@@ -111,8 +145,12 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kDTiles][4], const f
     for (int dp = 0; dp < kDTiles / 2; ++dp) {
       // Transposed matrices (keys 0-7 | 8-15) x (dims 0-7 | 8-15 of this pair): b0/b1 of d-tile 2dp, then 2dp + 1.
       uint32_t b[4];
-      const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
-      ptx::ldmatrix_x4_trans(b, v_base + VTile::chunk_offset(key, 2 * dp + (lane >> 4)) * 2);
+      if constexpr (VTile::kSpanChunks == 8) {
+        ptx::ldmatrix_x4_trans(b, v_base + (dp / 4) * VTile::kNumRows * 128 + kk * 16 * 128 + v_off.k[dp % 4]);
+      } else {
+        const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
+        ptx::ldmatrix_x4_trans(b, v_base + VTile::chunk_offset(key, 2 * dp + (lane >> 4)) * 2);
+      }
       const uint32_t b_lo[2] = {b[0], b[1]};
       const uint32_t b_hi[2] = {b[2], b[3]};
 #pragma unroll

@@ -1,6 +1,6 @@
 // Tile shapes of the Hopper forward kernel per head-dim tile: consumer warpgroups per block (64 query rows
-// each), keys per tile, pipeline stages of the K/V ring, whether a block may loop over tiles (persistent grid),
-// and the register split made with setmaxnreg (the
+// each), keys per tile (kBlockN under a causal mask, kBlockNNonCausal without one), pipeline stages of the K/V
+// ring, whether a block may loop over tiles (persistent grid), and the register split made with setmaxnreg (the
 // producer warpgroup keeps kProducerRegs; consumers take the rest of the 64K-register file).
 // Shared memory Q + kStages x (K + V) must fit in 227 KiB. Chosen by measurement (docs/PERFORMANCE.md).
 #pragma once
@@ -12,14 +12,25 @@ struct FwdSm90Config;
 
 template <> struct FwdSm90Config<64> {
   static constexpr int kWarpgroups = 3, kBlockN = 128, kStages = 4, kProducerRegs = 24, kConsumerRegs = 160;
+  static constexpr int kBlockNNonCausal = 128;  // wider tiles spill in 160-register consumers
+  static constexpr int kWideMinKeys = 0;
   static constexpr bool kPersistent = true;
 };
 template <> struct FwdSm90Config<128> {
   static constexpr int kWarpgroups = 2, kBlockN = 128, kStages = 2, kProducerRegs = 24, kConsumerRegs = 240;
+  // Without a mask, 176-key tiles (FlashAttention-3's choice) spread a tile's fixed costs (row max and sum
+  // reductions, the O rescale, barriers) over 38 % more keys; S (88), P (44) and O (64 registers) still fit in
+  // 240 without spills (192 keys spill). Under a causal mask the diagonal tiles would waste more. Below
+  // kWideMinKeys keys the partial last tile and the longer pipeline fill cost more than that buys (H100:
+  // 2x16x2048 6 % slower, 1x16x4096 2 % and 4x16x8192 2-4 % faster; docs/PERFORMANCE.md).
+  static constexpr int kBlockNNonCausal = 176;
+  static constexpr int kWideMinKeys = 4096;
   static constexpr bool kPersistent = true;
 };
 template <> struct FwdSm90Config<256> {
   static constexpr int kWarpgroups = 2, kBlockN = 64, kStages = 2, kProducerRegs = 24, kConsumerRegs = 240;
+  static constexpr int kBlockNNonCausal = 64;
+  static constexpr int kWideMinKeys = 0;
   static constexpr bool kPersistent = false;  // the tile loop spills here (fwd_sm90_traits.cuh)
 };
 

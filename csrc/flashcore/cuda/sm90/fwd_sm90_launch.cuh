@@ -67,6 +67,20 @@ inline int pick_consumer_warpgroups(const FwdParams& p, int wide, int num_sms) {
   return wide;
 }
 
+// Keys per tile: the configured causal width, or kBlockNNonCausal where no mask is applied and there are at
+// least kWideMinKeys keys.
+template <int kHeadDim, typename Element, int kWarpgroups>
+void launch_fwd_width(const FwdParams& p, int num_sms, cudaStream_t stream) {
+  using Config = FwdSm90Config<kHeadDim>;
+  if constexpr (Config::kBlockNNonCausal != Config::kBlockN) {
+    if (!p.causal && p.seqlen_k >= Config::kWideMinKeys) {
+      launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWarpgroups, Config::kBlockNNonCausal>>(p, num_sms, stream);
+      return;
+    }
+  }
+  launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWarpgroups>>(p, num_sms, stream);
+}
+
 template <int kHeadDim, typename Element>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr int kWide = FwdSm90Config<kHeadDim>::kWarpgroups;
@@ -74,11 +88,11 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int w = pick_consumer_warpgroups(p, kWide, num_sms);
   if (w == 1) {
-    launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, 1>>(p, num_sms, stream);
+    launch_fwd_width<kHeadDim, Element, 1>(p, num_sms, stream);
   } else if (w == kMid) {
-    launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kMid>>(p, num_sms, stream);
+    launch_fwd_width<kHeadDim, Element, kMid>(p, num_sms, stream);
   } else {
-    launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWide>>(p, num_sms, stream);
+    launch_fwd_width<kHeadDim, Element, kWide>(p, num_sms, stream);
   }
 }
 

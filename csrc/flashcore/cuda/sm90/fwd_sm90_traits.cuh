@@ -10,8 +10,10 @@
 namespace flashcore::sm90 {
 
 // kWarpgroups_ (consumer warpgroups, 64 query rows each) defaults to the configured width; the launcher also
-// instantiates a one-warpgroup variant for grids too small to fill the GPU (fwd_sm90_launch.cuh).
-template <int kHeadDim_, typename Element_, int kWarpgroups_ = FwdSm90Config<kHeadDim_>::kWarpgroups>
+// instantiates a one-warpgroup variant for grids too small to fill the GPU (fwd_sm90_launch.cuh). kBlockN_
+// (keys per tile) defaults to the causal width; the launcher takes kBlockNNonCausal for unmasked calls.
+template <int kHeadDim_, typename Element_, int kWarpgroups_ = FwdSm90Config<kHeadDim_>::kWarpgroups,
+          int kBlockN_ = FwdSm90Config<kHeadDim_>::kBlockN>
 struct FwdSm90Traits {
   using Element = Element_;
   using Config = FwdSm90Config<kHeadDim_>;
@@ -20,7 +22,8 @@ struct FwdSm90Traits {
   static constexpr int kWarpgroups = kWarpgroups_;  // consumers
   static_assert(kWarpgroups >= 1 && kWarpgroups <= Config::kWarpgroups, "more consumers than configured");
   static constexpr int kBlockM = 64 * kWarpgroups;
-  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kBlockN = kBlockN_;
+  static_assert(kBlockN % 16 == 0, "P V takes k16 steps over a tile's keys");
   static constexpr int kStages = Config::kStages;
   static constexpr int kConsumerThreads = 128 * kWarpgroups;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
