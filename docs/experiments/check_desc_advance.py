@@ -1,4 +1,4 @@
-"""Checks sm90_descriptor_offsets.patch: desc_advance(make_smem_desc_sw128(a), b) == make_smem_desc_sw128(a + b)
+"""Checks desc_advance (csrc/flashcore/cuda/sm90/smem_desc.cuh): desc_advance(make_smem_desc_sw128(a), b) == make_smem_desc_sw128(a + b)
 for 16-byte-aligned shared addresses a and offsets b with a + b inside a block's shared memory, for the
 leading-byte offsets the kernels use (a coarse grid: every 112th base byte, every 208th offset byte).
 Run: python3 check_desc_advance.py -> 0."""

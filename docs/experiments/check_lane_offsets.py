@@ -1,4 +1,4 @@
-"""Checks fwd_sm80_ldmatrix_lane_offsets.patch's address formula against SmemTile::chunk_offset
+"""Checks the LaneOffsets formula (csrc/flashcore/cuda/sm80/fwd_sm80_mainloop.cuh) against SmemTile::chunk_offset
 (csrc/flashcore/cuda/sm80/smem_tile.cuh, transcribed below) for every lane, warp and fragment of the mma.sync
 forward's Q, K and V tiles at head dims 64-256 (64-column spans). Run: python3 check_lane_offsets.py -> 0."""
 def chunk_offset(rows, cols, row, chunk):
