@@ -54,6 +54,16 @@ def _check_forward(q, k, v, mask):
     assert torch.allclose(lse[finite].double(), ref_lse[finite], atol=2e-3, rtol=1e-4)
 
 
+def _random_qkv(request, shape, head_dim, dtype, q_layout, kv_layout):
+    """Fresh q (B, Hq, Sq, D), k and v (B, Hkv, Sk, D) for shape (B, Hq, Hkv, Sq, Sk), seeded from the test id."""
+    B, Hq, Hkv, Sq, Sk = shape
+    g = make_generator(request, DEV)
+    q = randn((B, Hq, Sq, head_dim), dtype, g, DEV, layout=q_layout)
+    k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=kv_layout)
+    v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=kv_layout)
+    return q, k, v
+
+
 HEAD_DIMS = [32, 40, 64, 80, 96, 128, 136, 192, 256]
 # (B, Hq, Hkv, Sq, Sk)
 SHAPES = [(2, 4, 4, 113, 113), (1, 4, 2, 1000, 777), (1, 2, 1, 1, 300), (1, 2, 2, 257, 64), (1, 2, 2, 7, 2048)]
@@ -64,13 +74,8 @@ SHAPES = [(2, 4, 4, 113, 113), (1, 4, 2, 1000, 777), (1, 2, 1, 1, 300), (1, 2, 2
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
 def test_forward_grid(request, family, dtype, head_dim, shape, mask):
-    B, Hq, Hkv, Sq, Sk = shape
-    g = make_generator(request, DEV)
-    layout = "bshd" if (head_dim + Sq) % 2 == 0 else "bhsd"
-    q = randn((B, Hq, Sq, head_dim), dtype, g, DEV, layout=layout)
-    k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=layout)
-    v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=layout)
-    _check_forward(q, k, v, mask)
+    layout = "bshd" if (head_dim + shape[3]) % 2 == 0 else "bhsd"
+    _check_forward(*_random_qkv(request, shape, head_dim, dtype, layout, layout), mask)
 
 
 # The sm90 launcher picks the block height (64 rows per consumer warpgroup) from the grid size: the fewest
@@ -85,12 +90,7 @@ def test_forward_grid(request, family, dtype, head_dim, shape, mask):
 @pytest.mark.parametrize("shape", [(4, 40, 8, 333, 517), (1, 12, 4, 1000, 1000), (4, 40, 40, 600, 300)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_forward_block_heights(request, family, dtype, head_dim, mask, shape):
-    B, Hq, Hkv, Sq, Sk = shape
-    g = make_generator(request, DEV)
-    q = randn((B, Hq, Sq, head_dim), dtype, g, DEV, layout="bshd")
-    k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV)
-    v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV)
-    _check_forward(q, k, v, mask)
+    _check_forward(*_random_qkv(request, shape, head_dim, dtype, "bshd", "bhsd"), mask)
 
 
 # Long key sequences: the sm90 launcher switches unmasked head-dim-128 calls to wider key tiles from
@@ -101,13 +101,8 @@ def test_forward_block_heights(request, family, dtype, head_dim, mask, shape):
 @pytest.mark.parametrize("shape", [(1, 4, 2, 300, 4500), (2, 2, 2, 65, 8193), (1, 2, 2, 200, 4095)],
                          ids=lambda s: "x".join(map(str, s)))
 def test_forward_long_keys(request, family, dtype, head_dim, mask, shape):
-    B, Hq, Hkv, Sq, Sk = shape
-    g = make_generator(request, DEV)
-    layout = "bshd" if Sq % 2 == 0 else "bhsd"
-    q = randn((B, Hq, Sq, head_dim), dtype, g, DEV, layout=layout)
-    k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=layout)
-    v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout=layout)
-    _check_forward(q, k, v, mask)
+    layout = "bshd" if shape[3] % 2 == 0 else "bhsd"
+    _check_forward(*_random_qkv(request, shape, head_dim, dtype, layout, layout), mask)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
