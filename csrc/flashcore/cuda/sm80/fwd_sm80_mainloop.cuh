@@ -59,6 +59,14 @@ __device__ __forceinline__ LaneOffsets lane_offsets_a(int lane) {
 __device__ __forceinline__ LaneOffsets lane_offsets_b(int lane) {
   return lane_offsets((lane & 7) + (lane >> 4) * 8, (lane >> 3) & 1);
 }
+// Byte offset, in a tile of 64-column spans, of this lane's ldmatrix address for the fragment at rows
+// row0 + [0, 16) and chunk pair kk (columns 16 kk .. 16 kk + 15): span and row from constants, the swizzled
+// column from the lane's precomputed offsets.
+template <typename Tile>
+__device__ __forceinline__ uint32_t wide_span_offset(int row0, int kk, const LaneOffsets& off) {
+  static_assert(Tile::kSpanChunks == 8, "LaneOffsets describe 128-byte rows");
+  return (kk / 4) * Tile::kNumRows * 128 + row0 * 128 + off.k[kk % 4];
+}
 
 template <typename QTile, int kMTiles, int kKSteps, typename Element>
 __device__ __forceinline__ void load_q_fragments(uint32_t (&q)[kMTiles][kKSteps][4], const Element* sQ,
@@ -99,8 +107,7 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4],
         for (int e = 0; e < 4; ++e) a[mi][e] = q_regs[mi][kQRegSteps > 1 ? ks : 0][e];
       } else {
         if constexpr (kWideSpans)
-          ptx::ldmatrix_x4(a[mi], q_base + (ks / 4) * QTile::kNumRows * 128 + (warp_row0 + mi * 16) * 128 +
-                                      a_off.k[ks % 4]);
+          ptx::ldmatrix_x4(a[mi], q_base + wide_span_offset<QTile>(warp_row0 + mi * 16, ks, a_off));
         else
           ptx::ldmatrix_x4(a[mi], q_base + a_frag_offset<QTile>(warp_row0 + mi * 16, ks, lane) * 2);
       }
@@ -110,7 +117,7 @@ __device__ __forceinline__ void gemm_qk(float (&s)[kMTiles][kNTiles][4],
       // Matrices (keys 0-7 | 8-15 of this pair) x (k cols 0-7 | 8-15): b0/b1 of n-tile 2np, then of 2np + 1.
       uint32_t b[4];
       if constexpr (kWideSpans) {
-        ptx::ldmatrix_x4(b, k_base + (ks / 4) * KTile::kNumRows * 128 + np * 16 * 128 + b_off.k[ks % 4]);
+        ptx::ldmatrix_x4(b, k_base + wide_span_offset<KTile>(np * 16, ks, b_off));
       } else {
         const int key = np * 16 + (lane & 7) + (lane >> 4) * 8;
         ptx::ldmatrix_x4(b, k_base + KTile::chunk_offset(key, 2 * ks + ((lane >> 3) & 1)) * 2);
@@ -146,7 +153,7 @@ __device__ __forceinline__ void gemm_pv(float (&o)[kMTiles][kDTiles][4], const f
       // Transposed matrices (keys 0-7 | 8-15) x (dims 0-7 | 8-15 of this pair): b0/b1 of d-tile 2dp, then 2dp + 1.
       uint32_t b[4];
       if constexpr (VTile::kSpanChunks == 8) {
-        ptx::ldmatrix_x4_trans(b, v_base + (dp / 4) * VTile::kNumRows * 128 + kk * 16 * 128 + v_off.k[dp % 4]);
+        ptx::ldmatrix_x4_trans(b, v_base + wide_span_offset<VTile>(kk * 16, dp, v_off));
       } else {
         const int key = kk * 16 + (lane & 7) + ((lane >> 3) & 1) * 8;
         ptx::ldmatrix_x4_trans(b, v_base + VTile::chunk_offset(key, 2 * dp + (lane >> 4)) * 2);

@@ -71,6 +71,8 @@ struct OnlineSoftmax {
 
   // Deferred rescale: once the running maxima settle (most tiles of a long row), no row of the warp moves and
   // the kDTiles * 4 multiplies on o, which the next P.V MMAs would wait for, are skipped (warp-uniform branch).
+  // The Hopper consumer uses it; the mma.sync kernel passes moved = true, because the branch would keep the
+  // compiler from interleaving the exp2s with the P.V MMAs (fwd_sm80_kernel.cuh).
   __device__ __forceinline__ void rescale(float (&o)[kMTiles][kDTiles][4], const float (&correction)[kRows],
                                           bool moved) {
     if (!moved) return;
@@ -83,14 +85,6 @@ struct OnlineSoftmax {
           o[mi][di][2 * half] *= correction[2 * mi + half];
           o[mi][di][2 * half + 1] *= correction[2 * mi + half];
         }
-  }
-
-  // step + rescale, for callers whose o is not in flight in an asynchronous MMA.
-  __device__ __forceinline__ void update(float (&s)[kMTiles][kNTiles][4], float (&o)[kMTiles][kDTiles][4],
-                                         const float scale) {
-    float correction[kRows];
-    const bool moved = step(s, scale, correction);
-    rescale(o, correction, moved);
   }
 
   // Divides o by the row sums and returns each row's log-sum-exp in natural-log units (-inf, with o = 0, for a
