@@ -12,12 +12,14 @@ namespace flashcore::sm80 {
 template <int kHeadDim>
 struct FwdConfig;
 
-//                                                  kBlockM      kBlockN      kNWarps     kQInRegs
-template <> struct FwdConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = true; };
-template <> struct FwdConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = true; };
-template <> struct FwdConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = false; };
-template <> struct FwdConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = false; };
-template <> struct FwdConfig<192> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 8; static constexpr bool kQInRegs = false; };
-template <> struct FwdConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 32,  kNWarps = 4; static constexpr bool kQInRegs = false; };
+// kBlockMSmallGrid: rows of the variant launched when the grid of kBlockM-row blocks has fewer blocks than the
+// GPU has multiprocessors (one m-tile a warp: half the serial MMA chain per key block, twice the blocks).
+//                                                  kBlockM      kBlockN      kNWarps     kQInRegs          kBlockMSmallGrid
+template <> struct FwdConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = true;  static constexpr int kBlockMSmallGrid = 64; };
+template <> struct FwdConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = true;  static constexpr int kBlockMSmallGrid = 64; };
+template <> struct FwdConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 64; };
+template <> struct FwdConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 64; };
+template <> struct FwdConfig<192> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 8; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 128; };
+template <> struct FwdConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 32,  kNWarps = 4; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 64; };
 
 }  // namespace flashcore::sm80

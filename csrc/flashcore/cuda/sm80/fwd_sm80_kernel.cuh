@@ -24,12 +24,13 @@
 
 namespace flashcore::sm80 {
 
-template <int kHeadDim_, typename Element_>
+// kBlockM_: the configured rows, or FwdConfig::kBlockMSmallGrid for grids that would not fill the GPU.
+template <int kHeadDim_, typename Element_, int kBlockM_ = FwdConfig<kHeadDim_>::kBlockM>
 struct FwdKernelTraits {
   using Element = Element_;
   using Config = FwdConfig<kHeadDim_>;
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kBlockM = Config::kBlockM;
+  static constexpr int kBlockM = kBlockM_;
   static constexpr int kBlockN = Config::kBlockN;
   static constexpr int kNWarps = Config::kNWarps;
   static constexpr bool kQInRegs = Config::kQInRegs;

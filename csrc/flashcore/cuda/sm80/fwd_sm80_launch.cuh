@@ -2,6 +2,7 @@
 // files only (one instantiation per file keeps builds parallel).
 #pragma once
 
+#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime_api.h>
 
@@ -14,9 +15,9 @@
 
 namespace flashcore::sm80 {
 
-template <int kHeadDim, typename Element>
-void launch_fwd(const FwdParams& p, cudaStream_t stream) {
-  using Traits = FwdKernelTraits<kHeadDim, Element>;
+template <int kHeadDim, typename Element, int kBlockM>
+void launch_fwd_rows(const FwdParams& p, cudaStream_t stream) {
+  using Traits = FwdKernelTraits<kHeadDim, Element, kBlockM>;
   auto kernel = &fwd_sm80_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
 
@@ -27,6 +28,20 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   const int64_t grid = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked grid <= INT32_MAX
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, num_m_blocks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// A grid of kBlockM-row blocks that leaves multiprocessors idle runs the kBlockMSmallGrid-row variant instead.
+template <int kHeadDim, typename Element>
+void launch_fwd(const FwdParams& p, cudaStream_t stream) {
+  using Config = FwdConfig<kHeadDim>;
+  if constexpr (Config::kBlockMSmallGrid != Config::kBlockM) {
+    const int64_t blocks = (p.seqlen_q + Config::kBlockM - 1) / Config::kBlockM * p.batch * p.heads_q;
+    if (blocks < at::cuda::getCurrentDeviceProperties()->multiProcessorCount) {
+      launch_fwd_rows<kHeadDim, Element, Config::kBlockMSmallGrid>(p, stream);
+      return;
+    }
+  }
+  launch_fwd_rows<kHeadDim, Element, Config::kBlockM>(p, stream);
 }
 
 }  // namespace flashcore::sm80
