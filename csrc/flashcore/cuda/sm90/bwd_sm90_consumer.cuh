@@ -77,18 +77,18 @@ struct BwdRowStats {
       : p(p_), blk(blk_), smem(smem_), dsum(dsum_), local(tid % kGroup), copy(kPerWarpgroup ? tid / 128 : 0) {}
 
   __device__ __forceinline__ const float* buffer(int parity) const { return smem.row_stats_buffer(parity, copy); }
-  __device__ __forceinline__ void load(int step, float (&raw)[kPer]) const {
+  __device__ __forceinline__ void load(const BwdStepCursor& step, float (&raw)[kPer]) const {
 #pragma unroll
     for (int j = 0; j < kPer; ++j) {
       const int v = local + j * kGroup;
-      const int row = blk.m0(step, kBlockM) + v % kBlockM;
+      const int row = step.m0(kBlockM) + v % kBlockM;
       raw[j] = 0.f;
       if (v >= kValues) continue;
       if (row >= (int)p.seqlen_q) {
         raw[j] = v < kBlockM ? -INFINITY : 0.f;
         continue;
       }
-      const int64_t idx = (blk.b * p.heads_q + blk.head(step)) * p.seqlen_q + row;
+      const int64_t idx = (blk.b * p.heads_q + step.head) * p.seqlen_q + row;
       raw[j] = v < kBlockM ? p.lse[idx] : dsum[idx];
     }
   }
@@ -102,15 +102,25 @@ struct BwdRowStats {
   }
 };
 
-// P^T in place of S^T (kQTiles n8 tiles of this thread's accumulator rows, keys key_lo and key_lo + 8; query
-// columns col0 + 8 ni + 2t (+1) of the step, lse in log2 units from the staged row stats): masked entries -> 0.
+// This thread's per-query values of a step (query columns col0 + 8 ni + 2t and + 1) from a staged row-stat array.
+// Loaded into registers before the wgmma wait they follow: read after it, their shared-memory latency (behind the
+// wgmma operand traffic) stalled the first exp2 of every step (ncu source counters).
 template <int kQTiles>
-__device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], const float* lse_log2, const BwdParams& p,
-                                                int m0, int col0, int key_lo, int seqlen_k, bool needs_mask, int t) {
+__device__ __forceinline__ void load_query_pairs(const float* values, int col0, int t, float2 (&out)[kQTiles]) {
+#pragma unroll
+  for (int ni = 0; ni < kQTiles; ++ni) out[ni] = *reinterpret_cast<const float2*>(values + col0 + ni * 8 + 2 * t);
+}
+
+// P^T in place of S^T (kQTiles n8 tiles of this thread's accumulator rows, keys key_lo and key_lo + 8; query
+// columns col0 + 8 ni + 2t (+1) of the step, their lse in log2 units from load_query_pairs): masked entries -> 0.
+template <int kQTiles>
+__device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], const float2 (&lse_log2)[kQTiles],
+                                                const BwdParams& p, int m0, int col0, int key_lo, int seqlen_k,
+                                                bool needs_mask, int t) {
 #pragma unroll
   for (int ni = 0; ni < kQTiles; ++ni) {
     const int col = col0 + ni * 8 + 2 * t;  // query m0 + col, m0 + col + 1
-    const float2 lse = *reinterpret_cast<const float2*>(lse_log2 + col);
+    const float2 lse = lse_log2[ni];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float x = s[4 * ni + e] * p.scale_log2 - ((e & 1) ? lse.y : lse.x);
@@ -126,11 +136,11 @@ __device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], const f
 
 // dS^T = P^T * (dP^T - dsum[query]) in place of dP^T, for the same columns as probabilities_t.
 template <int kQTiles>
-__device__ __forceinline__ void dscores_t(float (&dp)[4 * kQTiles], const float (&pt)[4 * kQTiles], const float* dsum,
-                                          int col0, int t) {
+__device__ __forceinline__ void dscores_t(float (&dp)[4 * kQTiles], const float (&pt)[4 * kQTiles],
+                                          const float2 (&dsum)[kQTiles]) {
 #pragma unroll
   for (int ni = 0; ni < kQTiles; ++ni) {
-    const float2 d = *reinterpret_cast<const float2*>(dsum + col0 + ni * 8 + 2 * t);
+    const float2 d = dsum[ni];
 #pragma unroll
     for (int e = 0; e < 4; ++e) dp[4 * ni + e] = pt[4 * ni + e] * (dp[4 * ni + e] - ((e & 1) ? d.y : d.x));
   }
@@ -197,17 +207,25 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
 
   if (blk.steps > 0) {
     float first[BwdRowStats<Traits>::kPer];
-    row_stats.load(0, first);
+    row_stats.load(BwdStepCursor(blk), first);
     row_stats.stage(0, first);
     consumers_sync();
     ptx::mbarrier_wait(smem.kv_full, 0);
   }
 
-  for (int step = 0; step < blk.steps; ++step) {
+  // The staged dQ of the previous step goes to the dQ writer (dq_full) only once this step's first GEMMs are
+  // queued: the proxy fence waits for the staging stores, and done at the end of the step (ncu: FENCE.VIEW.ASYNC
+  // and WARPSYNC, ~10 % of the consumers' stall samples) it held back the next step's wgmma, so the tensor cores
+  // idled once dK had retired.
+  auto hand_off_dq = [&] {
+    ptx::fence_proxy_async_shared();
+    __syncwarp();
+    if (lane == 0) ptx::mbarrier_arrive(&smem.dq_full[wg]);
+  };
+
+  BwdStepCursor cursor(blk);
+  for (int step = 0; step < blk.steps; ++step, cursor = cursor.next()) {
     const int stage = step % kStages;
-    const int m0 = blk.m0(step, kBlockM);
-    float next_stat[BwdRowStats<Traits>::kPer];
-    if (step + 1 < blk.steps) row_stats.load(step + 1, next_stat);
     const uint32_t q_addr = ptx::smem_addr(smem.q_stage(stage));
     const uint32_t do_addr = ptx::smem_addr(smem.dout_stage(stage));
     ptx::mbarrier_wait(&smem.qdo_full[stage], (step / kStages) & 1);
@@ -222,12 +240,21 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     for (int ks = 0; ks < kKSteps; ++ks)
       MmaS::ss(dp, kmajor_desc(v_addr, kBlockN, 64 * wg, ks), kmajor_desc(do_addr, kBlockM, 0, ks), ks > 0);
     ptx::wgmma_commit();
+    if (step > 0) hand_off_dq();
 
+    const int m0 = cursor.m0(kBlockM);
+    float next_stat[BwdRowStats<Traits>::kPer];
+    if (step + 1 < blk.steps) row_stats.load(cursor.next(), next_stat);
     const float* stats = row_stats.buffer(step & 1);
+    // Preloaded where registers allow (64-row steps); 128-row steps hold twice the S^T and dP^T registers.
+    constexpr bool kPreload = kBlockM == 64;
+    float2 lse[kQTiles], dsum_q[kQTiles];
+    if constexpr (kPreload) load_query_pairs<kQTiles>(stats, 0, t, lse);
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
+    if constexpr (!kPreload) load_query_pairs<kQTiles>(stats, 0, t, lse);
     const bool needs_mask = cuda::tile_needs_mask<kBlockN>(p, m0, blk.n_block);
-    probabilities_t<kQTiles>(s, stats, p, m0, 0, key_lo, seqlen_k, needs_mask, t);
+    probabilities_t<kQTiles>(s, lse, p, m0, 0, key_lo, seqlen_k, needs_mask, t);
     // dV needs only P: with 64-row steps it goes to the tensor cores behind dP^T and runs while dS is computed.
     // With 128-row steps P, dP and P's fragments would not fit in registers together: dV waits for dS.
     constexpr bool kDvBeforeDs = kBlockM == 64;
@@ -241,12 +268,14 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     if constexpr (kDvBeforeDs) {
       pack_a_fragments<Element>(s, pa);
       issue_dv();
+      load_query_pairs<kQTiles>(stats + kBlockM, 0, t, dsum_q);
       ptx::wgmma_wait<1>();  // groups retire in order: dP^T is done, dV may still run
     } else {
       ptx::wgmma_wait<0>();
+      load_query_pairs<kQTiles>(stats + kBlockM, 0, t, dsum_q);
     }
     ptx::fence_operand(dp);
-    dscores_t<kQTiles>(dp, s, stats + kBlockM, 0, t);
+    dscores_t<kQTiles>(dp, s, dsum_q);
     pack_a_fragments<Element>(dp, dsa);
     if constexpr (!kDvBeforeDs) {
       pack_a_fragments<Element>(s, pa);
@@ -324,10 +353,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     // The staged tile: each warp signals dq_full, and the dQ writer (bwd_sm90_producer.cuh) adds the tile to the
     // accumulator through TMA: bulk transfers instead of 8192 atomics, and no consumer waits for another.
     ptx::mbarrier_wait(&smem.dq_empty[wg], ptx::empty_parity(step));  // the writer has read the previous step's
-    stage_dq();
-    ptx::fence_proxy_async_shared();
-    __syncwarp();
-    if (lane == 0) ptx::mbarrier_arrive(&smem.dq_full[wg]);
+    stage_dq();  // handed off at the next step's start (hand_off_dq)
     ptx::wgmma_wait<0>();
     ptx::fence_operand(dk);
 #pragma unroll
@@ -335,6 +361,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(&smem.qdo_empty[stage]);  // Q and dO of this stage are no longer read
   }
+  if (blk.steps > 0) hand_off_dq();  // the last step's
 
   write_dk_dv<Element, kHeadDim>(dk, dv, p, blk, key_lo, 0, t);
 }

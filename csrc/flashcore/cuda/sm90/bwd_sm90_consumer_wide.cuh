@@ -65,17 +65,18 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
 
   if (blk.steps > 0) {
     float first[BwdRowStats<Traits>::kPer];
-    row_stats.load(0, first);
+    row_stats.load(BwdStepCursor(blk), first);
     row_stats.stage(0, first);
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
     ptx::mbarrier_wait(smem.kv_full, 0);
   }
 
-  for (int step = 0; step < blk.steps; ++step) {
+  BwdStepCursor cursor(blk);
+  for (int step = 0; step < blk.steps; ++step, cursor = cursor.next()) {
     const int stage = step % kStages, do_stage = step % kDoStages;
-    const int m0 = blk.m0(step, kBlockM);
+    const int m0 = cursor.m0(kBlockM);
     float next_stat[BwdRowStats<Traits>::kPer];
-    if (step + 1 < blk.steps) row_stats.load(step + 1, next_stat);
+    if (step + 1 < blk.steps) row_stats.load(cursor.next(), next_stat);
     const uint32_t q_addr = ptx::smem_addr(smem.q_stage(stage));
     const uint32_t do_addr = ptx::smem_addr(smem.dout_stage(do_stage));
 
@@ -94,13 +95,16 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
     ptx::wgmma_commit();
 
     const float* stats = row_stats.buffer(step & 1);
+    float2 lse[kQTiles], dsum_q[kQTiles];
+    load_query_pairs<kQTiles>(stats, q_lo, t, lse);
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
     const bool needs_mask = cuda::tile_needs_mask<kBlockN>(p, m0, blk.n_block);
-    probabilities_t<kQTiles>(s, stats, p, m0, q_lo, key_lo, seqlen_k, needs_mask, t);
+    probabilities_t<kQTiles>(s, lse, p, m0, q_lo, key_lo, seqlen_k, needs_mask, t);
+    load_query_pairs<kQTiles>(stats + kBlockM, q_lo, t, dsum_q);
     ptx::wgmma_wait<0>();
     ptx::fence_operand(dp);
-    dscores_t<kQTiles>(dp, s, stats + kBlockM, q_lo, t);
+    dscores_t<kQTiles>(dp, s, dsum_q);
 
     // This warpgroup's query columns of P^T and dS^T (rows = keys) to shared memory, the next step's lse/dsum
     // beside them; the fence and the barrier make every consumer's writes visible to every consumer's wgmma.

@@ -25,14 +25,14 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
     ptx::tma_load_4d(smem.k + span * Traits::kBlockN * 64, tm_k, smem.kv_full, span * 64, blk.n0, h_kv, b);
     ptx::tma_load_4d(smem.v + span * Traits::kBlockN * 64, tm_v, smem.kv_full, span * 64, blk.n0, h_kv, b);
   }
-  // The step's head and query block are walked, not derived with blk.head/m0: a division by m_count and
-  // 64-bit products do not fit in this thread's kProducerRegs registers (they spilled on every step).
-  // No unrolling for the same reason.
-  int h = (int)(blk.h_kv * blk.group), m_index = blk.m_begin;
+  // The step's head and query block are walked (BwdStepCursor): a division by m_count and 64-bit products do
+  // not fit in this thread's kProducerRegs registers (they spilled on every step). No unrolling for the same
+  // reason.
+  BwdStepCursor cursor(blk);
 #pragma unroll 1
-  for (int step = 0; step < blk.steps; ++step) {
+  for (int step = 0; step < blk.steps; ++step, cursor = cursor.next()) {
     const int stage = step % Traits::kStages;
-    const int m0 = m_index * Traits::kBlockM;
+    const int m0 = cursor.m0(Traits::kBlockM), h = cursor.head;
     ptx::mbarrier_wait(&smem.qdo_empty[stage], ptx::empty_parity(step / Traits::kStages));
     ptx::mbarrier_arrive_expect_tx(&smem.qdo_full[stage], (Traits::kSeparateDo ? 1 : 2) * Traits::kQBytes);
 #pragma unroll
@@ -51,10 +51,6 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
       for (int span = 0; span < Traits::kSpans; ++span)
         ptx::tma_load_4d(smem.dout_stage(do_stage) + span * Traits::kBlockM * 64, tm_do, &smem.do_full[do_stage],
                          span * 64, m0, h, b);
-    }
-    if (++m_index == blk.m_begin + blk.m_count) {
-      m_index = blk.m_begin;
-      ++h;
     }
   }
 }

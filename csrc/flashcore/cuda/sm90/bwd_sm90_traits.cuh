@@ -147,8 +147,26 @@ struct BwdBlock {
   int m_begin, m_count;  // query blocks [m_begin, m_begin + m_count) of every head of the group
   int steps;             // group * m_count
 
-  __device__ __forceinline__ int64_t head(int step) const { return h_kv * group + step / m_count; }
-  __device__ __forceinline__ int m0(int step, int block_m) const { return (m_begin + step % m_count) * block_m; }
+};
+
+// (query head, query block) of successive steps of a BwdBlock: the steps run over the query blocks of one head,
+// then the next head of the group. Walked, not derived from the step index: a division by m_count per step sat
+// on the consumers' path from one step's last GEMM to the next step's first (ncu: the I2F/MUFU.RCP sequence).
+struct BwdStepCursor {
+  int head, m_index, m_begin, m_end;
+
+  __device__ __forceinline__ explicit BwdStepCursor(const BwdBlock& blk)
+      : head((int)(blk.h_kv * blk.group)), m_index(blk.m_begin), m_begin(blk.m_begin),
+        m_end(blk.m_begin + blk.m_count) {}
+  __device__ __forceinline__ int m0(int block_m) const { return m_index * block_m; }
+  __device__ __forceinline__ BwdStepCursor next() const {
+    BwdStepCursor c = *this;
+    if (++c.m_index == c.m_end) {
+      c.m_index = c.m_begin;
+      ++c.head;
+    }
+    return c;
+  }
 };
 
 // Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first.
