@@ -216,7 +216,8 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   // The staged dQ of the previous step goes to the dQ writer (dq_full) only once this step's first GEMMs are
   // queued: the proxy fence waits for the staging stores, and done at the end of the step (ncu: FENCE.VIEW.ASYNC
   // and WARPSYNC, ~10 % of the consumers' stall samples) it held back the next step's wgmma, so the tensor cores
-  // idled once dK had retired.
+  // idled once dK had retired. Here it still stalls the warp, but behind queued S^T/dP^T work (docs/PERFORMANCE.md,
+  // sixth session; after dK retires instead measured no faster).
   auto hand_off_dq = [&] {
     ptx::fence_proxy_async_shared();
     __syncwarp();
