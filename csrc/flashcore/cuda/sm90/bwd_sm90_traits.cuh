@@ -140,13 +140,13 @@ struct BwdSharedStorage {
 };
 
 // The work of one block: kBlockN keys of one (batch, kv head), and the steps (query head of the group, query
-// block) that can see them, in order. Producer and consumers derive the same sequence from it.
+// block) that can see them, in order. Producer and consumers walk that sequence with BwdStepCursor; the dQ
+// writer walks its accumulator rows in the same order (bwd_sm90_producer.cuh).
 struct BwdBlock {
   int n_block, n0;
   int64_t b, h_kv, group;
   int m_begin, m_count;  // query blocks [m_begin, m_begin + m_count) of every head of the group
   int steps;             // group * m_count
-
 };
 
 // (query head, query block) of successive steps of a BwdBlock: the steps run over the query blocks of one head,
