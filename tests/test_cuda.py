@@ -173,6 +173,45 @@ def test_cuda_graph_capture(request, family):
     assert not torch.equal(static_out, eager)
 
 
+@pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "graph"])
+def test_back_to_back_calls_see_previous_outputs(request, family, in_graph):
+    """Forward kernels start before the previous kernel of the stream ends (programmatic dependent launch): each
+    call here reads the previous call's output as its query, and its output reuses the memory of the output
+    before that (freed, so the allocator hands it out again). A kernel touching memory before the previous one
+    completed would read a stale query or overwrite one still being read; the synchronized chain is the truth."""
+    g = make_generator(request, DEV)
+    shape = (1, 8, 512, 64)  # a short kernel on half the SMs: the next one has room to start early
+    q0, k, v = (randn(shape, torch.float16, g, DEV) for _ in range(3))
+    steps = 8
+
+    def chain(sync):
+        y = q0
+        for _ in range(steps):
+            # back to back (no kernel between), scale 2: sharp rows, so each output is far from the last
+            y = flashcore.attention(y, k, v, is_causal=True, scale=2.0)
+            if sync:
+                torch.cuda.synchronize()
+        return y
+
+    expected = chain(sync=True)
+    if in_graph:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain(sync=False)  # warm-up outside capture
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = chain(sync=False)
+        graph.replay()
+        torch.cuda.synchronize()
+        got = static_out
+    else:
+        got = chain(sync=False)
+    assert torch.isfinite(expected).all() and not torch.equal(expected, q0)
+    assert torch.equal(got, expected)
+
+
 def test_grid_beyond_65535_blocks(request, family):
     g = make_generator(request, DEV)
     q = randn((1, 70000, 16, 64), torch.float16, g, DEV)

@@ -15,6 +15,7 @@
 
 #include "../../params.h"
 #include "../fwd_block.cuh"
+#include "../ptx/grid_dependency.cuh"
 #include "fwd_sm80_config.cuh"
 #include "fwd_sm80_mainloop.cuh"
 #include "fwd_sm80_mask.cuh"
@@ -86,6 +87,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int frag_row0 = m0 + warp_row0 + (lane >> 2);
   const int frag_col_in_tile = 2 * (lane & 3);
 
+  // Launched with programmatic dependent launch (ptx/grid_dependency.cuh): nothing above touches global memory.
+  ptx::wait_for_prior_grids();
+
   if (n_blocks > 0) {
     load_tile_async<QTile, kNThreads>(sQ, blk.q, p.q_stride.seq, m0, seqlen_q, head_dim);
     load_tile_async<KVTile, kNThreads>(sK, blk.k, p.k_stride.seq, (n_blocks - 1) * kBlockN, seqlen_k, head_dim);
@@ -151,6 +155,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     ptx::cp_async_wait<0>();
   }
 
+  // The next kernel may launch once every block is past its key loop, not earlier: several of these blocks fit
+  // on one SM, so blocks of the next grid launched at our start would share SMs with ours and finish unevenly
+  // (4x8x512x64 on H100: 11.5 -> 13.6 us a call in a graph with the trigger at the start).
+  ptx::allow_dependent_grids();
   float lse[2 * kMTiles];
   softmax.finalize(o, lse);
   __syncthreads();  // every warp is done reading sQ before the epilogue reuses it for O

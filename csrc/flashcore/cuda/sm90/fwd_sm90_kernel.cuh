@@ -26,6 +26,7 @@
 
 #include "../../params.h"
 #include "../fwd_block.cuh"
+#include "../ptx/grid_dependency.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "fwd_sm90_config.cuh"
@@ -76,6 +77,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     ptx::fence_barrier_init();
   }
   __syncthreads();
+  // Launched with programmatic dependent launch: the setup above and the descriptor prefetches below may overlap
+  // the previous kernel; every thread waits for it before its first global access (TMA loads, O/LSE stores).
+  ptx::allow_dependent_grids();
 
   if (threadIdx.x >= Traits::kConsumerThreads) {
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
@@ -83,6 +87,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ptx::tma_prefetch_descriptor(&tm_q);
       ptx::tma_prefetch_descriptor(&tm_k);
       ptx::tma_prefetch_descriptor(&tm_v);
+      ptx::wait_for_prior_grids();
       for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
         produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count);
       });
@@ -90,6 +95,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
     if (threadIdx.x == 0) ptx::tma_prefetch_descriptor(&tm_o);
+    ptx::wait_for_prior_grids();
     for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
       consume_tile<Traits>(p, blk, smem, &tm_o, tile_count, kv_count);
     });
