@@ -10,9 +10,10 @@
 //     O += P V (wgmma, P from registers), then the epilogue.
 // Each ring stage has a "full" mbarrier (TMA signals the bytes) and an "empty" one (each consumer warp arrives
 // once its wgmma reading the stage has retired), so loads run kStages tiles ahead, across tile boundaries too,
-// and no __syncthreads() is needed after setup. The Q buffer has the same pair (q_full, q_empty): the epilogue
-// stages O in it and stores it with TMA, and the next tile's Q is loaded once TMA has read it. While one
-// consumer warpgroup runs its softmax the other's GEMMs use the tensor cores (fwd_sm90_issue_turns.cuh).
+// and no __syncthreads() is needed after setup. The Q buffer has the same pair (q_full, q_empty): the next
+// tile's Q is loaded once every consumer's last Q K^T has retired, while the epilogue stages O in a buffer of
+// its own and stores it with TMA (where shared memory is short, O is staged in Q, and Q waits for that store).
+// While one consumer warpgroup runs its softmax the other's GEMMs use the tensor cores (fwd_sm90_issue_turns.cuh).
 //
 // Shared tiles use SmemTile's 64-element spans: one TMA box (64 columns x rows, 128-byte swizzle) fills one span,
 // and the span is exactly wgmma's 128-byte-swizzle canonical layout (16-byte chunk c of row r at c ^ (r % 8)).
@@ -99,6 +100,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
       consume_tile<Traits>(p, blk, smem, &tm_o, tile_count, kv_count);
     });
+    finish_output_stores();
   }
 #endif
 }

@@ -54,8 +54,15 @@ struct FwdSm90Traits {
   static constexpr uint32_t kQBytes = QTile::kElems * 2;
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
   static constexpr int kBarriers = 2 + 4 * kStages;
+  // The epilogue stages O in a buffer of its own where shared memory allows (every persistent configuration):
+  // the consumers then release Q as soon as their last Q K^T retires, and the next tile's Q loads while this
+  // tile finishes its last P V and its epilogue. Otherwise (head dim 256) O is staged in the Q buffer, which
+  // goes back to the producer only once TMA has read O.
+  static constexpr int kBaseSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
+  static constexpr bool kSeparateO = kBaseSmemBytes + (int)kQBytes <= 227 * 1024;
+  static constexpr uint32_t kOBytes = kSeparateO ? kQBytes : 0;
   // Tiles are 1024-byte aligned (the swizzle atom); the slack covers aligning the dynamic shared memory base.
-  static constexpr int kSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
+  static constexpr int kSmemBytes = kBaseSmemBytes + (int)kOBytes;
   // The persistent launch (one block per SM, grid <= SM count) relies on two blocks never fitting on one SM.
   static_assert(2 * kSmemBytes > 227 * 1024, "a second block per SM would leave SMs idle in the persistent grid");
 };
@@ -66,8 +73,9 @@ struct SharedStorage {
   Element* q;
   Element* k;  // kStages K tiles
   Element* v;  // kStages V tiles
+  Element* o;  // the epilogue's staging tile: its own buffer with kSeparateO, else q
   uint64_t* q_full;
-  uint64_t* q_empty;  // the consumers are done with the Q tile, also the epilogue's O staging buffer
+  uint64_t* q_empty;  // the consumers are done with the Q tile (without kSeparateO: also with staged O)
   uint64_t* k_full;
   uint64_t* v_full;
   uint64_t* k_empty;
@@ -79,8 +87,9 @@ struct SharedStorage {
     q = reinterpret_cast<Element*>(base);
     k = reinterpret_cast<Element*>(base + Traits::kQBytes);
     v = reinterpret_cast<Element*>(base + Traits::kQBytes + Traits::kStages * Traits::kKVBytes);
-    uint64_t* bars =
-        reinterpret_cast<uint64_t*>(base + Traits::kQBytes + 2 * Traits::kStages * Traits::kKVBytes);
+    unsigned char* after_kv = base + Traits::kQBytes + 2 * Traits::kStages * Traits::kKVBytes;
+    o = Traits::kSeparateO ? reinterpret_cast<Element*>(after_kv) : q;
+    uint64_t* bars = reinterpret_cast<uint64_t*>(after_kv + Traits::kOBytes);
     q_full = bars;
     q_empty = bars + 1;
     k_full = bars + 2;
