@@ -173,22 +173,35 @@ def test_cuda_graph_capture(request, family):
     assert not torch.equal(static_out, eager)
 
 
+# (B, H, Sq, Sk, D), causal, bottom_right: a short grid on part of the SMs (one-warpgroup sm90 blocks); a
+# persistent sm90 grid (blocks walk several tiles, the next Q loading behind a tile's tail); query rows that see no
+# key (bottom-right mask, Sq > Sk).
+CHAINS = {
+    "small": ((1, 8, 512, 512, 64), True, False),
+    "persistent": ((4, 16, 1024, 1024, 64), False, False),
+    "empty_rows": ((1, 4, 300, 100, 64), True, True),
+}
+
+
 @pytest.mark.parametrize("in_graph", [False, True], ids=["eager", "graph"])
-def test_back_to_back_calls_see_previous_outputs(request, family, in_graph):
+@pytest.mark.parametrize("case", list(CHAINS))
+def test_back_to_back_calls_see_previous_outputs(request, family, in_graph, case):
     """Forward kernels start before the previous kernel of the stream ends (programmatic dependent launch): each
     call here reads the previous call's output as its query, and its output reuses the memory of the output
     before that (freed, so the allocator hands it out again). A kernel touching memory before the previous one
-    completed would read a stale query or overwrite one still being read; the synchronized chain is the truth."""
+    completed would read a stale query or overwrite one still being read; the synchronized chain is the truth.
+    The graph case is the one that catches a missing wait (eager calls rarely overlap: the host is slower)."""
     g = make_generator(request, DEV)
-    shape = (1, 8, 512, 64)  # a short kernel on half the SMs: the next one has room to start early
-    q0, k, v = (randn(shape, torch.float16, g, DEV) for _ in range(3))
+    (B, H, Sq, Sk, D), causal, bottom_right = CHAINS[case]
+    q0 = randn((B, H, Sq, D), torch.float16, g, DEV)
+    k, v = (randn((B, H, Sk, D), torch.float16, g, DEV) for _ in range(2))
     steps = 8
 
     def chain(sync):
         y = q0
         for _ in range(steps):
             # back to back (no kernel between), scale 2: sharp rows, so each output is far from the last
-            y = flashcore.attention(y, k, v, is_causal=True, scale=2.0)
+            y, _ = torch.ops.flashcore.fwd(y, k, v, 2.0, causal, bottom_right)
             if sync:
                 torch.cuda.synchronize()
         return y

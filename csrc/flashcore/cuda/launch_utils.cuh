@@ -25,12 +25,35 @@ inline void set_max_dynamic_smem_once(Kernel kernel, int smem_bytes, std::atomic
   configured.fetch_or(bit, std::memory_order_acq_rel);
 }
 
-// Programmatic dependent launch (ptx/grid_dependency.cuh) on compute capability 9.0 and newer, unless
-// FLASHCORE_PDL=0 (read per call, like the other switches, so benchmarks can measure what it buys).
-inline bool pdl_enabled() {
+// Programmatic dependent launch (ptx/grid_dependency.cuh) is used for a kernel only where the code of it that
+// runs on the current device holds the griddepcontrol instructions, i.e. was compiled for a compute_90+ virtual
+// architecture (grid_dependency.cuh compiles them out below sm_90). A GPU newer than every cubin of the build runs
+// the mma.sync kernels JIT-compiled from their compute_80 PTX, which has no wait: launched with programmatic
+// serialization, it could read its inputs before the previous kernel's writes land. Checked once per kernel and
+// device (cudaFuncGetAttributes), kept in the launcher's static PdlSupport; FLASHCORE_PDL=0 turns PDL off (read per
+// call, like the other switches, so benchmarks can measure what it buys).
+struct PdlSupport {
+  std::atomic<uint64_t> checked{0};  // bit d: device d was checked (devices past 63 are checked every call)
+  std::atomic<uint64_t> capable{0};  // bit d: the kernel's code on device d waits for prior grids
+};
+
+template <typename... Params>
+inline bool pdl_enabled(void (*kernel)(Params...), PdlSupport& support) {
   const char* env = std::getenv("FLASHCORE_PDL");
   if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-  return at::cuda::getCurrentDeviceProperties()->major >= 9;
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  if (bit != 0 && (support.checked.load(std::memory_order_acquire) & bit))
+    return (support.capable.load(std::memory_order_relaxed) & bit) != 0;
+  cudaFuncAttributes attr{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
+  const bool capable = at::cuda::getCurrentDeviceProperties()->major >= 9 && attr.ptxVersion >= 90;
+  if (bit != 0) {
+    if (capable) support.capable.fetch_or(bit, std::memory_order_relaxed);
+    support.checked.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  return capable;
 }
 
 // Launches `kernel` on `stream` with programmatic stream serialization where pdl_enabled(): the kernel may begin
@@ -38,8 +61,8 @@ inline bool pdl_enabled() {
 // global memory access before wait_for_prior_grids()). Inside CUDA graph capture the dependency becomes a
 // programmatic graph edge.
 template <typename... Params, typename... Args>
-inline void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int smem_bytes, cudaStream_t stream,
-                          Args&&... args) {
+inline void launch_kernel(void (*kernel)(Params...), PdlSupport& pdl, dim3 grid, dim3 block, int smem_bytes,
+                          cudaStream_t stream, Args&&... args) {
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
@@ -49,7 +72,7 @@ inline void launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, int 
   config.dynamicSmemBytes = (size_t)smem_bytes;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = pdl_enabled() ? 1 : 0;
+  config.numAttrs = pdl_enabled(kernel, pdl) ? 1 : 0;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -50,8 +50,9 @@ void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
   const bool persistent =
       Traits::kPersistent && !p.causal && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
   const int64_t grid = (persistent && num_tiles > num_sms) ? num_sms : num_tiles;
-  cuda::launch_kernel(kernel, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, p, tm_q, tm_k, tm_v, tm_o,
-                      num_m_blocks, (int)num_tiles);
+  static cuda::PdlSupport pdl;
+  cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, p, tm_q, tm_k, tm_v,
+                      tm_o, num_m_blocks, (int)num_tiles);
 }
 
 // A block's time per K/V tile grows with its query rows: its warpgroups share one SM's tensor cores and SFU

@@ -54,10 +54,11 @@ struct FwdSm90Traits {
   static constexpr uint32_t kQBytes = QTile::kElems * 2;
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
   static constexpr int kBarriers = 2 + 4 * kStages;
-  // The epilogue stages O in a buffer of its own where shared memory allows (head dims 64 and 128 with 128-key
-  // tiles: every variant a persistent grid runs): the consumers then release Q as soon as their last Q K^T
-  // retires, and the next tile's Q loads while this tile finishes its last P V and its epilogue. Otherwise (head
-  // dim 256, 176-key tiles) O is staged in the Q buffer, which goes back to the producer only once TMA has read O.
+  // The epilogue stages O in a buffer of its own where shared memory allows (all but the two-warpgroup variants
+  // of head dim 256 and of the 176-key tiles; every variant a persistent grid runs has it): the consumers then
+  // release Q as soon as their last Q K^T retires, and the next tile's Q loads while this tile finishes its last
+  // P V and its epilogue. Otherwise O is staged in the Q buffer, which goes back to the producer only once TMA
+  // has read O.
   static constexpr int kBaseSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
   static constexpr bool kSeparateO = kBaseSmemBytes + (int)kQBytes <= 227 * 1024;
   static constexpr uint32_t kOBytes = kSeparateO ? kQBytes : 0;
