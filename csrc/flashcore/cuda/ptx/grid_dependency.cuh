@@ -1,7 +1,8 @@
 // Programmatic dependent launch (PDL), device side, wrapped once.
 // PTX ISA, "Parallel Synchronization and Communication Instructions: griddepcontrol" (PTX 7.8, sm_90+).
-// A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization (cuda::launch_kernel) may start while the previous kernel of its stream is still running; its blocks then do their setup (barrier init,
-// descriptor prefetch) in that kernel's shadow.
+// A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization (cuda::launch_kernel) may start while
+// the previous kernel of its stream is still running; its blocks then do their setup (barrier init, descriptor
+// prefetch) in that kernel's shadow.
 //
 // Invariant of every kernel launched that way: no global memory access (read or write) before
 // wait_for_prior_grids(), which returns once the previous grids have completed and their writes are visible.
