@@ -2,9 +2,9 @@
 // Per tile: Q (kBlockM rows) once the consumers have released the previous tile's Q buffer (after their last
 // Q K^T, or where the epilogue staged O there after its TMA store: FwdSm90Traits::kSeparateO); then, for each key
 // tile in the consumers' order (last tile first), K and V into the next ring stage after the consumers have
-// released it. The ring position runs on across tiles (kv_count), so the next tile's
-// K/V stream in while the consumers still finish the current one. A load of rows past the sequence end is
-// zero-filled by TMA and still counts its full box bytes, so expect_tx is always the whole tile.
+// released it. The ring position runs on across tiles (kv_count), so the next tile's K/V stream in while the
+// consumers still finish the current one. A load of rows past the sequence end is zero-filled by TMA and still
+// counts its full box bytes, so expect_tx is always the whole tile.
 #pragma once
 
 #include <cuda.h>
