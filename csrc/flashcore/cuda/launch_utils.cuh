@@ -13,13 +13,18 @@
 
 namespace flashcore::cuda {
 
+// The current device's bit in the launchers' per-device bit sets (0 past device 63: not cached, redone per call).
+inline uint64_t current_device_bit() {
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  return device < 64 ? (uint64_t{1} << device) : 0;
+}
+
 // Opts `kernel` in to `smem_bytes` of dynamic shared memory (needed above 48 KiB). The setting is per function
 // and device, so it is made once per device; `configured` is the launcher's own static bit set.
 template <typename Kernel>
 inline void set_max_dynamic_smem_once(Kernel kernel, int smem_bytes, std::atomic<uint64_t>& configured) {
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  const uint64_t bit = current_device_bit();
   if (bit != 0 && (configured.load(std::memory_order_acquire) & bit)) return;
   C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes));
   configured.fetch_or(bit, std::memory_order_acq_rel);
@@ -33,7 +38,7 @@ inline void set_max_dynamic_smem_once(Kernel kernel, int smem_bytes, std::atomic
 // device (cudaFuncGetAttributes), kept in the launcher's static PdlSupport; FLASHCORE_PDL=0 turns PDL off (read per
 // call, like the other switches, so benchmarks can measure what it buys).
 struct PdlSupport {
-  std::atomic<uint64_t> checked{0};  // bit d: device d was checked (devices past 63 are checked every call)
+  std::atomic<uint64_t> checked{0};  // bit d: device d was checked (current_device_bit)
   std::atomic<uint64_t> capable{0};  // bit d: the kernel's code on device d waits for prior grids
 };
 
@@ -41,9 +46,7 @@ template <typename... Params>
 inline bool pdl_enabled(void (*kernel)(Params...), PdlSupport& support) {
   const char* env = std::getenv("FLASHCORE_PDL");
   if (env != nullptr && std::strcmp(env, "0") == 0) return false;
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  const uint64_t bit = device < 64 ? (uint64_t{1} << device) : 0;
+  const uint64_t bit = current_device_bit();
   if (bit != 0 && (support.checked.load(std::memory_order_acquire) & bit))
     return (support.capable.load(std::memory_order_relaxed) & bit) != 0;
   cudaFuncAttributes attr{};
