@@ -491,7 +491,8 @@ def run_mode(shape: Shape, mode: str, backends: list[Backend], args, device: str
                     torch.cuda.synchronize()
 
     # 3. rounds: backends interleaved round-robin, rotated each round so none always runs first
-    raw = {be.name: {"calls": [], "round_medians": [], "graph_round": []} for be in live}
+    raw = {be.name: {"calls": [], "round_medians": [], "graph_round": [], "round_clocks": []} for be in live}
+    clock_log = getattr(args, "clock_log", None)
     for rnd in range(args.rounds):
         order = live[rnd % len(live):] + live[:rnd % len(live)] if live else []
         for be in order:
@@ -500,11 +501,14 @@ def run_mode(shape: Shape, mode: str, backends: list[Backend], args, device: str
                 with be.context():
                     for _ in range(args.warmup):
                         step()
+                    t_round = time.perf_counter()
                     if cuda:
                         torch.cuda.synchronize()
                         calls = time_events(step, n)
                     else:
                         calls = time_wall(step, n)
+                if clock_log is not None:
+                    r["round_clocks"].append(clock_log.window(t_round, time.perf_counter()))
                 r["calls"].extend(calls)
                 r["round_medians"].append(statistics.median(calls))
                 if be.name in graphs:
@@ -522,6 +526,8 @@ def run_mode(shape: Shape, mode: str, backends: list[Backend], args, device: str
         if out["status"] != "ok" or not r["calls"]:
             continue
         out.update(raw_calls_ms=r["calls"], round_medians_ms=r["round_medians"], graph_round_ms=r["graph_round"])
+        if r["round_clocks"]:  # --log-clocks: the GPU's SM clock and power while each round's calls ran
+            out["round_clocks"] = r["round_clocks"]
         out["p50_ms"] = statistics.median(r["calls"])
         out["median_of_rounds_ms"] = statistics.median(r["round_medians"])
         out["rounds_min_ms"], out["rounds_max_ms"] = min(r["round_medians"]), max(r["round_medians"])
@@ -638,6 +644,9 @@ def table_rows(shape_rec: dict) -> list[list[str]]:
                 notes.append(f"peak {r['peak_mib']:.0f} MiB")
             if "io_tb_s" in r:
                 notes.append(f"{r.get('graph_io_tb_s', r['io_tb_s']):.2f} TB/s")
+            if r.get("round_clocks"):
+                notes.append("SM MHz by round " + "/".join(f"{c['sm_mhz_median']:.0f}" if c else "?"
+                                                           for c in r["round_clocks"]))
             spread = "-"
             if "p50_ms" in r and r["median_of_rounds_ms"] > 0:
                 med = r["median_of_rounds_ms"]
@@ -835,6 +844,9 @@ def parse_args(argv=None):
                         "--min-iters); 0 = always --iters (GPU default 400, CPU 300)")
     p.add_argument("--min-iters", type=int, default=None, help="floor for --batch-ms (GPU 10, CPU 2)")
     p.add_argument("--no-graph", dest="graph", action="store_false", help="skip the CUDA-graph timing")
+    p.add_argument("--log-clocks", action="store_true",
+                   help="GPU: sample the SM clock and power (NVML, benchmarks/gpu_clocks.py) while each round's "
+                   "calls run; per-round medians go into the JSON and the notes column")
     p.add_argument("--json", default=None, help="raw results (default benchmarks/results/<timestamp>.json)")
     p.add_argument("--plot", default=None,
                    help="PNG of TFLOP/s vs sequence length (default: next to the JSON when there is a sweep)")
@@ -871,6 +883,14 @@ def main(argv=None) -> int:
     args.batch_ms = args.batch_ms if args.batch_ms is not None else (400.0 if gpu else 300.0)
     args.min_iters = args.min_iters or (10 if gpu else 2)
     args.graph = args.graph and gpu
+    args.clock_log = None
+    if args.log_clocks and gpu:
+        try:
+            from gpu_clocks import ClockLog
+
+            args.clock_log = ClockLog(torch.cuda.current_device())
+        except Exception as e:  # noqa: BLE001  (no NVML library, a driver without the queries)
+            print(f"note: --log-clocks unavailable: {short_reason(e)}", flush=True)
 
     shape_lists = args.shapes.split(",") if args.shapes else ([] if args.shape else ["anchors" if gpu else "cpu"])
     shapes: list[Shape] = []
@@ -922,6 +942,8 @@ def main(argv=None) -> int:
     if args.plot or not msg.startswith("plot skipped: no shape group"):
         print(msg)
     print(f"total {meta['total_seconds']:.1f}s", flush=True)
+    if args.clock_log is not None:
+        args.clock_log.close()
     return 0
 
 
