@@ -1,0 +1,78 @@
+"""How much of the Hopper backward's time is per-block fixed cost? (Issue 5; prepared in the seventh session, not
+yet run.)
+
+The backward runs one block per (key block, kv head); a block walks Sq / 64 query blocks ("steps"). With the grid
+a whole number of waves on the GPU, time ≈ waves × (fixed + steps × step_time), where `fixed` is a block's launch,
+K/V load, pipeline fill and dK/dV epilogue. This script times flashcore's backward alone (fwd+bwd minus fwd, CUDA
+events, median) at Sk = 8192, head dim 128, non-causal, with enough heads for `--waves` full waves, for Sq from 64
+to 4096, and fits the line. A fixed part near 3 µs would be ~10 % of the causal 4×16×8192×128 backward (31 blocks
+per SM at ~32 steps each) and is what a persistent backward can hide; a small one means it cannot.
+
+    PYTHONPATH=$PWD python docs/experiments/bwd_fixed_part.py [--dtype fp16] [--waves 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+import flashcore
+
+
+def time_ms(fn, n: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
+    p.add_argument("--waves", type=int, default=4, help="full waves of blocks (default 4)")
+    p.add_argument("--sk", type=int, default=8192)
+    args = p.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA GPU")
+        return 0
+    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    key_blocks = args.sk // 128  # head dim 128: 128 keys a block (two consumer warpgroups of 64)
+    heads = max(1, sms * args.waves // key_blocks)
+    waves = heads * key_blocks / sms
+    print(f"{torch.cuda.get_device_name()}: {sms} SMs; Sk {args.sk}, head dim 128, {heads} heads, "
+          f"{heads * key_blocks} blocks = {waves:.2f} waves; backward-only ms (fwd+bwd minus fwd)")
+    xs, ys = [], []
+    for sq in (64, 128, 256, 512, 1024, 2048, 4096):
+        q = torch.randn(1, heads, sq, 128, device="cuda", dtype=dtype, requires_grad=True)
+        k = torch.randn(1, heads, args.sk, 128, device="cuda", dtype=dtype, requires_grad=True)
+        v = torch.randn(1, heads, args.sk, 128, device="cuda", dtype=dtype, requires_grad=True)
+        dout = torch.randn_like(q)
+        fwd = time_ms(lambda: flashcore.attention(q, k, v))
+        both = time_ms(lambda: torch.autograd.grad(flashcore.attention(q, k, v), (q, k, v), grad_outputs=dout))
+        steps = sq // 64
+        per_wave_us = (both - fwd) * 1e3 / waves
+        xs.append(steps)
+        ys.append(per_wave_us)
+        print(f"  Sq {sq:5d}: {steps:3d} steps a block, bwd {both - fwd:8.3f} ms, {per_wave_us:8.2f} us a wave")
+        del q, k, v, dout
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    fixed = my - slope * mx
+    print(f"fit: {fixed:.2f} us a block fixed + {slope:.3f} us a step (the pre-pass and the dQ conversion run "
+          f"once a call and grow with Sq: they blur both numbers a little)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
