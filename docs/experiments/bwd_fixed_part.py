@@ -14,25 +14,23 @@ per SM at ~32 steps each) and is what a persistent backward can hide; a small on
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 
 import torch
 
 import flashcore
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+from bench import time_events  # noqa: E402  (the benchmark's event timing, not a copy of it)
 
 
 def time_ms(fn, n: int = 20) -> float:
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+    return statistics.median(time_events(fn, n))
 
 
 def main() -> int:
