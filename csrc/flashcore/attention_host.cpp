@@ -137,6 +137,9 @@ FwdParams make_fwd_params(const at::Tensor& query, const at::Tensor& key, const 
   p.heads_q = query.size(1);
   p.heads_kv = key.size(1);
   p.group = p.heads_kv > 0 ? p.heads_q / p.heads_kv : 1;
+  p.heads_q_div = FastDiv(p.heads_q);
+  p.heads_kv_div = FastDiv(p.heads_kv);
+  p.group_div = FastDiv(p.group);
   p.seqlen_q = query.size(2);
   p.seqlen_k = key.size(2);
   p.head_dim = query.size(3);

@@ -9,7 +9,45 @@
 
 #include <cstdint>
 
+#if defined(__CUDACC__)
+#define FLASHCORE_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define FLASHCORE_HOST_DEVICE inline
+#endif
+
 namespace flashcore {
+
+// Division by a divisor fixed for a call, as a multiply-high, an add and a shift (the round-up method of
+// Granlund and Montgomery, "Division by invariant integers using multiplication", PLDI 1994): the kernels split
+// tile indices into (batch, head, query block) at their start, on the critical path of a small call, where each
+// 64-bit division by a runtime value cost ~140 cycles (H100 timeline, docs/PERFORMANCE.md).
+// Exact for dividends in [0, 2^31) and divisors in [1, 2^31) (the host keeps every index below 2^31).
+struct FastDiv {
+  uint32_t divisor = 1;
+  uint32_t multiplier = 1;  // with shift: floor(2^(32 + shift) / divisor) - 2^32 + 1
+  uint32_t shift = 0;
+
+  FastDiv() = default;
+  explicit FastDiv(int64_t d) {
+    divisor = d < 1 ? 1u : (uint32_t)d;
+    while ((uint64_t(1) << shift) < divisor) ++shift;  // ceil(log2(divisor))
+    multiplier = (uint32_t)(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - divisor)) / divisor + 1);
+  }
+  FLASHCORE_HOST_DEVICE uint32_t div(uint32_t x) const {
+#if defined(__CUDA_ARCH__)
+    const uint32_t hi = __umulhi(x, multiplier);
+#else
+    const uint32_t hi = (uint32_t)(((uint64_t)x * multiplier) >> 32);
+#endif
+    return (hi + x) >> shift;  // hi < x < 2^31: no overflow
+  }
+  // x = quotient * divisor + remainder.
+  FLASHCORE_HOST_DEVICE uint32_t divmod(uint32_t x, uint32_t& remainder) const {
+    const uint32_t q = div(x);
+    remainder = x - q * divisor;
+    return q;
+  }
+};
 
 // Element strides of one (batch, head, seq, dim) tensor whose dim stride is 1.
 struct Strides {
@@ -34,6 +72,8 @@ struct FwdParams {
   int64_t seqlen_q = 0;
   int64_t seqlen_k = 0;
   int64_t head_dim = 0;
+  // heads_q, heads_kv and group as FastDiv divisors, set with them (make_fwd_params).
+  FastDiv heads_q_div, heads_kv_div, group_div;
 
   float scale = 1.f;       // softmax scale applied to q.k
   float scale_log2 = 1.f;  // scale * log2(e): kernels exponentiate with exp2

@@ -1,5 +1,8 @@
-"""How much of the Hopper backward's time is per-block fixed cost? (Issue 5; prepared in the seventh session, not
-yet run.)
+"""How much of the Hopper backward's time is per-block fixed cost? (Issue 5; prepared in the seventh session.)
+
+Run in the eighth session (H100): inconclusive. At small Sq every call took 0.11-0.15 ms whatever its steps: the
+host's autograd and launch time of a per-call-timed fwd+bwd, not the GPU's. The fit (24 us a block) is therefore
+meaningless; a version that times CUDA-graph replays is needed (docs/PERFORMANCE.md, eighth session).
 
 The backward runs one block per (key block, kv head); a block walks Sq / 64 query blocks ("steps"). With the grid
 a whole number of waves on the GPU, time ≈ waves × (fixed + steps × step_time), where `fixed` is a block's launch,

@@ -5,7 +5,8 @@
 // Each block streams `tiles` boxes of (64 columns x box_rows rows) fp16, 128-byte swizzle (the forward kernel's
 // K/V boxes), through a ring of `stages` shared-memory buffers: one thread keeps `stages` loads in flight, each
 // completing on its own mbarrier, and re-issues a buffer as soon as its bytes have landed (nothing consumes them).
-// All blocks read one 8 MB tensor (L2-resident after the warm-up launch) at block-dependent offsets. Reported per
+// All blocks read one 8 MB tensor (L2-resident after the warm-up launch) at offsets that depend on blockIdx.x / share
+// (share 8: eight blocks read the same rows, like the query blocks of one head). Reported per
 // configuration: bytes per cycle per SM (from the block's clock64 span, median over blocks) and the aggregate rate
 // (bytes of all blocks over the kernel's event time).
 //
@@ -38,7 +39,8 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
 }
 
 __global__ void __launch_bounds__(128, 1)
-    ingest(const __grid_constant__ CUtensorMap map, int box_rows, int stages, int tiles, long long* cycles) {
+    ingest(const __grid_constant__ CUtensorMap map, int box_rows, int stages, int tiles, int share,
+           long long* cycles) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   extern __shared__ unsigned char smem_raw[];
   __shared__ __align__(8) uint64_t full[kMaxStages];
@@ -53,7 +55,9 @@ __global__ void __launch_bounds__(128, 1)
   __syncthreads();
   if (threadIdx.x != 0) return;
   const int rows_per_block = tiles * box_rows;
-  const int row_base = (int)((blockIdx.x * 7919LL * box_rows) % (kRows - rows_per_block + 1)) / box_rows * box_rows;
+  // `share` consecutive blocks read the same rows, as the query blocks of one head read its K/V.
+  const long long group = blockIdx.x / share;
+  const int row_base = (int)((group * 7919LL * box_rows) % (kRows - rows_per_block + 1)) / box_rows * box_rows;
   auto issue = [&](int tile) {
     const int s = tile % stages;
     const uint32_t bar = smem_u32(&full[s]);
@@ -78,34 +82,40 @@ __global__ void __launch_bounds__(128, 1)
   };
   const long long t0 = clock64();
   for (int t = 0; t < stages && t < tiles; ++t) issue(t);
+  long long first = 0;
   for (int t = 0; t < tiles; ++t) {
     wait(t);
+    if (t == 0) first = clock64() - t0;
     if (t + stages < tiles) issue(t + stages);
   }
-  cycles[blockIdx.x] = clock64() - t0;
+  cycles[2 * blockIdx.x] = clock64() - t0;
+  cycles[2 * blockIdx.x + 1] = first;
 #endif
 }
 
 // One launch after a warm-up launch (which also fills L2); prints one row of the table.
-void run_case(const CUtensorMap& map, int box_rows, int stages, int boxes, int blocks, int smem, long long* cycles) {
+void run_case(const CUtensorMap& map, int box_rows, int stages, int boxes, int blocks, int share, int smem,
+              long long* cycles) {
   cudaEvent_t a, b;
   CHECK(cudaEventCreate(&a));
   CHECK(cudaEventCreate(&b));
-  ingest<<<blocks, 128, smem>>>(map, box_rows, stages, boxes, cycles);
+  ingest<<<blocks, 128, smem>>>(map, box_rows, stages, boxes, share, cycles);
   CHECK(cudaGetLastError());
   CHECK(cudaEventRecord(a));
-  ingest<<<blocks, 128, smem>>>(map, box_rows, stages, boxes, cycles);
+  ingest<<<blocks, 128, smem>>>(map, box_rows, stages, boxes, share, cycles);
   CHECK(cudaEventRecord(b));
   CHECK(cudaEventSynchronize(b));
   CHECK(cudaGetLastError());
   float ms = 0.f;
   CHECK(cudaEventElapsedTime(&ms, a, b));
-  std::vector<long long> c(blocks);
-  CHECK(cudaMemcpy(c.data(), cycles, blocks * sizeof(long long), cudaMemcpyDeviceToHost));
+  std::vector<long long> both(2 * blocks), c(blocks), f(blocks);
+  CHECK(cudaMemcpy(both.data(), cycles, 2 * blocks * sizeof(long long), cudaMemcpyDeviceToHost));
+  for (int i = 0; i < blocks; ++i) c[i] = both[2 * i], f[i] = both[2 * i + 1];
   std::sort(c.begin(), c.end());
+  std::sort(f.begin(), f.end());
   const double bytes = (double)boxes * box_rows * kCols * 2;
-  std::printf("%9d %7d %6d %6d %12.1f %14.2f %10.1f\n", box_rows, stages, boxes, blocks, bytes / (double)c[blocks / 2],
-              bytes * blocks / (ms * 1e-3) / 1e12, ms * 1e3);
+  std::printf("%9d %7d %6d %6d %6d %12.1f %14.2f %10.1f %12lld\n", box_rows, stages, boxes, blocks, share,
+              bytes / (double)c[blocks / 2], bytes * blocks / (ms * 1e-3) / 1e12, ms * 1e3, f[blocks / 2]);
   CHECK(cudaEventDestroy(a));
   CHECK(cudaEventDestroy(b));
 }
@@ -126,7 +136,7 @@ int main() {
   CHECK(cudaMalloc(&src, (size_t)kRows * kCols * sizeof(__half)));
   CHECK(cudaMemset(src, 0, (size_t)kRows * kCols * sizeof(__half)));
   long long* cycles = nullptr;
-  CHECK(cudaMalloc(&cycles, 1024 * sizeof(long long)));
+  CHECK(cudaMalloc(&cycles, 2048 * sizeof(long long)));
 
   using EncodeFn = CUresult (*)(CUtensorMap*, CUtensorMapDataType, cuuint32_t, void*, const cuuint64_t*,
                                 const cuuint64_t*, const cuuint32_t*, const cuuint32_t*, CUtensorMapInterleave,
@@ -142,8 +152,8 @@ int main() {
 
   std::printf("%s, %d SMs, %.2f GHz (nominal); TMA loads of 64 x rows fp16 boxes, 128-byte swizzle, from L2\n",
               prop.name, sms, clock_khz / 1e6);
-  std::printf("%9s %7s %6s %6s %12s %14s %10s\n", "box rows", "stages", "boxes", "blocks", "B/clk/SM",
-              "aggregate TB/s", "kernel us");
+  std::printf("%9s %7s %6s %6s %6s %12s %14s %10s %12s\n", "box rows", "stages", "boxes", "blocks", "share",
+              "B/clk/SM", "aggregate TB/s", "kernel us", "1st box clk");
   for (int box_rows : {64, 128, 256}) {
     CUtensorMap map{};
     const cuuint64_t dims[2] = {(cuuint64_t)kCols, (cuuint64_t)kRows};
@@ -162,9 +172,15 @@ int main() {
       if (smem > 227 * 1024) continue;
       CHECK(cudaFuncSetAttribute(ingest, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
       // 128 KB a block: what one 1x8x512x64 block loads (K and V, 4 tiles); 2 MB: the steady rate.
+      // share 8: groups of 8 blocks read the same rows (1x8x512x64's 8 query blocks of a head).
       for (int block_kb : {128, 2048}) {
-        for (int blocks : {1, 8, 32, 64, sms}) run_case(map, box_rows, stages, block_kb * 1024 / box_bytes, blocks,
-                                                         smem, cycles);
+        for (int share : {1, 8}) {
+          if (block_kb == 2048 && share == 8) continue;
+          for (int blocks : {1, 8, 32, 64, sms}) {
+            if (share > blocks) continue;
+            run_case(map, box_rows, stages, block_kb * 1024 / box_bytes, blocks, share, smem, cycles);
+          }
+        }
       }
     }
   }

@@ -13,6 +13,7 @@ namespace flashcore::cuda {
 template <typename Element>
 struct FwdBlock {
   int64_t bh;     // b * heads_q + h: also the row of lse
+  int b, h, h_kv;  // batch, query head, key/value head
   int m0;         // first query row of the block
   int n_blocks;   // key blocks [0, n_blocks) may be visible from some row of the block
   const Element* q;
@@ -23,20 +24,25 @@ struct FwdBlock {
 
 // Tiles (query blocks) of one (batch, head) are adjacent in the tile order, so blocks running at the same time
 // share K/V in L2; within a head the last query blocks (the longest under a causal mask) come first. `tile` is
-// the block index for one-tile-per-block grids, the scheduler's tile for persistent ones.
+// the block index for one-tile-per-block grids, the scheduler's tile for persistent ones. The host keeps tiles
+// below 2^31, so FastDiv's 32-bit quotients are exact. The query block stays a plain int division of the tile:
+// computed that way it lives in uniform registers, and the mask tests of the key loop with it (a FastDiv there
+// moved them to the vector pipe and changed the schedule of every key loop).
 template <typename Element, int kBlockM, int kBlockN>
 __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks, int tile) {
   FwdBlock<Element> blk;
-  blk.bh = tile / num_m_blocks;
+  const uint32_t bh = (uint32_t)(tile / num_m_blocks);
   const int m_block = num_m_blocks - 1 - tile % num_m_blocks;
-  const int64_t b = blk.bh / p.heads_q;
-  const int64_t h = blk.bh % p.heads_q;
-  const int64_t h_kv = h / p.group;
+  uint32_t h;
+  blk.bh = bh;
+  blk.b = (int)p.heads_q_div.divmod(bh, h);
+  blk.h = (int)h;
+  blk.h_kv = (int)p.group_div.div(h);
   blk.m0 = m_block * kBlockM;
-  blk.q = static_cast<const Element*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
-  blk.k = static_cast<const Element*>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head;
-  blk.v = static_cast<const Element*>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head;
-  blk.out = static_cast<Element*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
+  blk.q = static_cast<const Element*>(p.q) + blk.b * p.q_stride.batch + blk.h * p.q_stride.head;
+  blk.k = static_cast<const Element*>(p.k) + blk.b * p.k_stride.batch + blk.h_kv * p.k_stride.head;
+  blk.v = static_cast<const Element*>(p.v) + blk.b * p.v_stride.batch + blk.h_kv * p.v_stride.head;
+  blk.out = static_cast<Element*>(p.out) + blk.b * p.out_stride.batch + blk.h * p.out_stride.head;
   int64_t n_end = p.seqlen_k;
   if (p.causal) {
     const int64_t last_visible = (int64_t)blk.m0 + kBlockM - 1 + p.causal_offset;  // of the block's last row

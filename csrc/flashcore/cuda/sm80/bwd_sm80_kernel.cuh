@@ -76,9 +76,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 
   // Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first.
   const int n_block = (int)(blockIdx.x % num_n_blocks);
-  const int64_t bhkv = blockIdx.x / num_n_blocks;
-  const int64_t b = bhkv / p.heads_kv;
-  const int64_t h_kv = bhkv % p.heads_kv;
+  uint32_t h_kv32;
+  const int64_t b = p.heads_kv_div.divmod(blockIdx.x / num_n_blocks, h_kv32);  // < gridDim.x < 2^31
+  const int64_t h_kv = h_kv32;
   const int n0 = n_block * kBlockN;
   const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
   auto stage_q = [&](int stage) { return smem + stage * Traits::kStageElems; };

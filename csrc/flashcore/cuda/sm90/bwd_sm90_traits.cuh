@@ -174,9 +174,10 @@ template <int kBlockM, int kBlockN>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p, int num_n_blocks) {
   BwdBlock blk;
   blk.n_block = (int)(blockIdx.x % num_n_blocks);
-  const int64_t bhkv = blockIdx.x / num_n_blocks;
-  blk.b = bhkv / p.heads_kv;
-  blk.h_kv = bhkv % p.heads_kv;
+  const uint32_t bhkv = blockIdx.x / num_n_blocks;
+  uint32_t h_kv;
+  blk.b = p.heads_kv_div.divmod(bhkv, h_kv);  // bhkv < gridDim.x < 2^31
+  blk.h_kv = h_kv;
   blk.group = p.group;
   blk.n0 = blk.n_block * kBlockN;
   const int num_m_blocks = (int)((p.seqlen_q + kBlockM - 1) / kBlockM);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../fwd_block.cuh"
 #include "../ptx/mbarrier.cuh"
@@ -111,8 +112,121 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
       if (lane == 0) ptx::mbarrier_arrive(smem.q_empty);
     }
   };
+  // Two score buffers (one-warpgroup blocks with long key walks): tile it's S is in buffer it & 1 and is issued
+  // one step ahead, so the tensor cores run S of tile it + 1 (and P V of tile it - 1) during the softmax of tile
+  // it; a lone warpgroup has no ping-pong partner to fill them, and the loop below leaves S's issue and latency
+  // exposed (~370 of ~1 630 cycles a tile, H100 timeline, head dim 64). Its code is unrolled by two with distinct
+  // tails, each copy cold in the instruction cache once per block, so it pays only on long walks (graph us:
+  // 4 tiles 5.24 -> 5.74, 8 tiles 8.96 -> 9.02, 32 tiles 28.99 -> 27.07; docs/PERFORMANCE.md).
+  // Every wgmma issue and wait is unconditional on each path, and the pending group (S of the next tile, into
+  // buffer 1) is the same at each pair boundary: where ptxas cannot track what is in flight it serializes every
+  // wgmma of the kernel (an earlier form: 48 of 48 HGMMAs followed by a wait 0). The lambdas above, on the one
+  // buffer s, serve every other variant and path unchanged.
+  auto consume_key_tiles_two_buffers = [&] {
+    using STile = float[1][kNTiles][4];
+    STile buf[2];
+    auto flat = [](STile& t) -> float(&)[kBlockN / 2] {
+      return *reinterpret_cast<float(*)[kBlockN / 2]>(&t[0][0][0]);
+    };
+    auto issue_qk_into = [&](int stage, STile& t) {
+      ptx::wgmma_fence();
+#pragma unroll
+      for (int ks = 0; ks < kKSteps; ++ks)
+        MmaQK::ss(flat(t), kmajor_desc(q_addr, kBlockM, wg * 64, ks),
+                  kmajor_desc(k_addr + stage * Traits::kKVBytes, kBlockN, 0, ks), ks > 0);
+      ptx::wgmma_commit();
+    };
+    auto softmax_on = [&](int n_block, float (&correction)[2], STile& t) {
+      if (negative_scale) {
+#pragma unroll
+        for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) t[0][ni][e] *= p.scale_log2;
+      }
+      if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
+        sm80::apply_mask(t, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
+      return softmax.step(t, softmax_scale, correction);
+    };
+    auto pack_from = [&](const STile& t) {
+#pragma unroll
+      for (int kk = 0; kk < kBlockN / 16; ++kk) {
+        pa[kk][0] = sm80::pack2<Element>(t[0][2 * kk][0], t[0][2 * kk][1]);
+        pa[kk][1] = sm80::pack2<Element>(t[0][2 * kk][2], t[0][2 * kk][3]);
+        pa[kk][2] = sm80::pack2<Element>(t[0][2 * kk + 1][0], t[0][2 * kk + 1][1]);
+        pa[kk][3] = sm80::pack2<Element>(t[0][2 * kk + 1][2], t[0][2 * kk + 1][3]);
+      }
+    };
+    float correction[2];
+    const int first = kv_count % kStages, second = (kv_count + 1) % kStages;
+    ptx::mbarrier_wait(&smem.k_full[first], full_parity(kv_count));
+    issue_qk_into(first, buf[0]);
+    ptx::wgmma_wait<0>();
+    ptx::fence_operand(flat(buf[0]));
+    if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[first]);
+    ptx::mbarrier_wait(&smem.k_full[second], full_parity(kv_count + 1));
+    issue_qk_into(second, buf[1]);
+    softmax_on(n_blocks - 1, correction, buf[0]);
+    pack_from(buf[0]);
+    // Step it: in flight at its top, S of tile it. Issue P V of tile it - 1; wait for S (groups retire in order);
+    // with kMore, issue S of tile it + 1 into the other buffer; softmax; wait for P V (o and pa are its
+    // operands) before the rescale and the new P.
+    auto step = [&](auto cur_constant, auto more_constant, int it) {
+      constexpr int cur = decltype(cur_constant)::value;
+      constexpr bool kMore = decltype(more_constant)::value;
+      const int use = kv_count + it;
+      const int stage = use % kStages, prev = (use - 1) % kStages;
+      ptx::mbarrier_wait(&smem.v_full[prev], full_parity(use - 1));
+      issue_pv(prev);
+      ptx::wgmma_wait<1>();
+      ptx::fence_operand(flat(buf[cur]));
+      if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[stage]);
+      if constexpr (kMore) {
+        const int next = (use + 1) % kStages;
+        ptx::mbarrier_wait(&smem.k_full[next], full_parity(use + 1));
+        issue_qk_into(next, buf[cur ^ 1]);
+      } else {
+        release_q();
+      }
+      const bool moved = softmax_on(n_blocks - 1 - it, correction, buf[cur]);
+      ptx::wgmma_wait<kMore ? 1 : 0>();
+      ptx::fence_operand(o_flat);
+      ptx::fence_operand(pa_flat);
+      if (lane == 0) ptx::mbarrier_arrive(&smem.v_empty[prev]);
+      softmax.rescale(o, correction, moved);
+      pack_from(buf[cur]);
+    };
+    using One = std::integral_constant<int, 1>;
+    using Zero = std::integral_constant<int, 0>;
+    int it = 1;
+    for (; it + 2 < n_blocks; it += 2) {
+      step(One{}, std::true_type{}, it);
+      step(Zero{}, std::true_type{}, it + 1);
+    }
+    if (it + 1 < n_blocks) {
+      step(One{}, std::true_type{}, it);
+      step(Zero{}, std::false_type{}, it + 1);
+    } else {
+      step(One{}, std::false_type{}, it);
+    }
+    const int last_use = kv_count + n_blocks - 1, last = last_use % kStages;
+    ptx::mbarrier_wait(&smem.v_full[last], full_parity(last_use));
+    issue_pv(last);
+    ptx::wgmma_wait<0>();
+    ptx::fence_operand(o_flat);
+    ptx::fence_operand(pa_flat);
+    if (lane == 0) ptx::mbarrier_arrive(&smem.v_empty[last]);
+  };
   ptx::mbarrier_wait(smem.q_full, tile_count & 1);
-  if (n_blocks > 0) {
+  bool walked = false;  // by the two-buffer loop
+  if constexpr (Traits::kScoreBuffers == 2) {
+    if (n_blocks >= Traits::kDeepMinTiles) {
+      consume_key_tiles_two_buffers();
+      walked = true;
+    }
+  }
+  if (walked) {
+    // the two-buffer loop ran the whole key walk, its last P V included
+  } else if (n_blocks > 0) {
     float correction[2];
 
 #ifdef FLASHCORE_SM90_NO_PINGPONG  // ablation builds only
@@ -189,7 +303,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   ptx::fence_proxy_async_shared();
   ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
   if (threadIdx.x == 0) {
-    const int b = (int)(blk.bh / p.heads_q), h = (int)(blk.bh % p.heads_q);
+    const int b = blk.b, h = blk.h;
 #pragma unroll
     for (int span = 0; span < Traits::kSpans; ++span)
       ptx::tma_store_4d(tm_o, smem.o + span * kBlockM * 64, span * 64, m0, h, b);

@@ -40,18 +40,25 @@ namespace flashcore::sm90 {
 // Calls tile_fn(blk, tile_count, kv_count) for each tile this block computes, in order: tile_count tiles and
 // kv_count K/V ring uses came before it. Producer and consumers both walk tiles through this, so their barrier
 // phases agree. Without kPersistent the block has exactly one tile and no loop-carried state (registers).
+// Waits for the previous grid (wait_for_prior_grids) before the first tile_fn call.
 template <typename Traits, typename TileFn>
-__device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_blocks, int num_tiles, TileFn&& tile_fn) {
+__device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_blocks, int num_tiles,
+                                              TileFn&& tile_fn) {
   using Element = typename Traits::Element;
+  // The first tile's coordinates come from kernel parameters only, so they are computed before waiting for the
+  // previous grid (programmatic dependent launch): their constant-cache misses then overlap that grid's tail.
   if constexpr (Traits::kPersistent) {
     int tile_count = 0, kv_count = 0;
     for (int64_t tile = blockIdx.x; tile < num_tiles; tile += gridDim.x, ++tile_count) {
       const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
+      if (tile_count == 0) ptx::wait_for_prior_grids();
       tile_fn(blk, tile_count, kv_count);
       kv_count += blk.n_blocks;  // >= 0 (fwd_block clamps)
     }
   } else {
-    tile_fn(cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)blockIdx.x), 0, 0);
+    const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)blockIdx.x);
+    ptx::wait_for_prior_grids();
+    tile_fn(blk, 0, 0);
   }
 }
 
@@ -78,8 +85,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     ptx::fence_barrier_init();
   }
   __syncthreads();
-  // Launched with programmatic dependent launch: the setup above and the descriptor prefetches below may overlap
-  // the previous kernel; every thread waits for it before its first global access (TMA loads, O/LSE stores).
+  // Launched with programmatic dependent launch: the setup above, the descriptor prefetches below and the first
+  // tile's coordinates may overlap the previous kernel; every thread that touches global memory (TMA loads, O/LSE
+  // stores) waits for it first, in for_each_tile.
   ptx::allow_dependent_grids();
 
   if (threadIdx.x >= Traits::kConsumerThreads) {
@@ -88,7 +96,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ptx::tma_prefetch_descriptor(&tm_q);
       ptx::tma_prefetch_descriptor(&tm_k);
       ptx::tma_prefetch_descriptor(&tm_v);
-      ptx::wait_for_prior_grids();
       for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
         produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count);
       });
@@ -96,7 +103,6 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
     if (threadIdx.x == 0) ptx::tma_prefetch_descriptor(&tm_o);
-    ptx::wait_for_prior_grids();
     for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
       consume_tile<Traits>(p, blk, smem, &tm_o, tile_count, kv_count);
     });

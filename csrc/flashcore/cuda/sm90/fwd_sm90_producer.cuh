@@ -22,12 +22,12 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
                                              const SharedStorage<Traits>& smem, const CUtensorMap* tm_q,
                                              const CUtensorMap* tm_k, const CUtensorMap* tm_v, int tile_count,
                                              int kv_count) {
-  const int b = (int)(blk.bh / p.heads_q);
-  const int h = (int)(blk.bh % p.heads_q);
-  const int h_kv = (int)(h / p.group);
+  const int b = blk.b, h = blk.h, h_kv = blk.h_kv;
 
   // Q is loaded even for a tile that sees no key (n_blocks == 0): the consumers wait for it on every tile.
-  ptx::mbarrier_wait(smem.q_empty, ptx::empty_parity(tile_count));
+  // A buffer's first use needs no wait (a fresh barrier's preceding phase counts as complete), and skipping the
+  // try_wait (~100 cycles) puts the block's first loads on their way sooner.
+  if (tile_count > 0) ptx::mbarrier_wait(smem.q_empty, ptx::empty_parity(tile_count));
   ptx::mbarrier_arrive_expect_tx(smem.q_full, Traits::kQBytes);
 #pragma unroll
   for (int span = 0; span < Traits::kSpans; ++span)
@@ -38,15 +38,16 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
     const int stage = use % Traits::kStages;
     const uint32_t parity = ptx::empty_parity(use / Traits::kStages);
     const int row0 = (blk.n_blocks - 1 - it) * Traits::kBlockN;
+    const bool reused = use >= Traits::kStages;
 
-    ptx::mbarrier_wait(&smem.k_empty[stage], parity);
+    if (reused) ptx::mbarrier_wait(&smem.k_empty[stage], parity);
     ptx::mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kKVBytes);
 #pragma unroll
     for (int span = 0; span < Traits::kSpans; ++span)
       ptx::tma_load_4d(smem.k_stage(stage) + span * Traits::kBlockN * 64, tm_k, &smem.k_full[stage], span * 64,
                        row0, h_kv, b);
 
-    ptx::mbarrier_wait(&smem.v_empty[stage], parity);
+    if (reused) ptx::mbarrier_wait(&smem.v_empty[stage], parity);
     ptx::mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kKVBytes);
 #pragma unroll
     for (int span = 0; span < Traits::kSpans; ++span)

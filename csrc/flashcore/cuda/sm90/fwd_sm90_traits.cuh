@@ -35,17 +35,27 @@ struct FwdSm90Traits {
   // warpgroups hangs (found on the H100, 2026-11-23).
   static constexpr int kLaunchRegs = ptx::launch_regs_per_thread(kNThreads);
   // The configured split is for the configured width; a narrower variant gives its consumers what the launch
-  // allocation leaves (at most 240), so it does not spill where the wide one fits.
+  // allocation leaves, up to kNarrowCap (240; a one-warpgroup block, launched with 248 a thread, gives them 248,
+  // which its two score buffers need to stay unspilled), so it does not spill where the wide one fits.
   static constexpr int kNarrowRegs = (kLaunchRegs * kNThreads - kProducerRegs * 128) / kConsumerThreads / 8 * 8;
+  static constexpr int kNarrowCap = kLaunchRegs > 240 ? kLaunchRegs : 240;
   static constexpr int kConsumerRegs = kWarpgroups == Config::kWarpgroups ? Config::kConsumerRegs
-                                       : kNarrowRegs < 240                 ? kNarrowRegs
-                                                                           : 240;
+                                       : kNarrowRegs < kNarrowCap          ? kNarrowRegs
+                                                                           : kNarrowCap;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kNThreads,
                 "setmaxnreg split exceeds the registers the block gets at launch");
   // The persistent tile loop costs the consumers registers (loop-carried tile and ring counters); where the
   // accumulators leave none to spare (head dim 256: ~150 B of spills with the loop, 0 without) the kernel is
   // built for one tile per block and the launcher never makes its grid persistent.
-  static constexpr bool kPersistent = Config::kPersistent;
+  // One-warpgroup variants are launched only for grids of at most one wave (fwd_sm90_launch.cuh), so they are
+  // built without the loop too (with two score buffers, its counters spilled 8 B).
+  static constexpr bool kPersistent = Config::kPersistent && kWarpgroups > 1;
+  // Score (S) register buffers of a consumer: two where a warpgroup is alone in its block (no ping-pong partner
+  // fills the tensor cores during its softmax), so the next tile's S is computed during this tile's softmax; the
+  // second buffer must fit beside O and P (head dim 64: 2 x 64 + 32 + 32 of 248 registers).
+  static constexpr int kScoreBuffers =
+      (kWarpgroups == 1 && 2 * (kBlockN / 2) + kBlockN / 4 + kHeadDim / 2 <= 192) ? 2 : 1;
+  static constexpr int kDeepMinTiles = 16;  // key tiles from which a block takes the two-buffer loop (consumer)
   static constexpr int kSpans = kHeadDim / 64;  // TMA boxes per tile
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
 
