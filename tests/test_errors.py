@@ -95,6 +95,15 @@ def test_empty_inputs_like_sdpa(shape_q, shape_kv):
     assert torch.count_nonzero(q.grad) == 0 or q.numel() == 0
 
 
+@pytest.mark.parametrize("heads", [2**31, 2**32], ids=["2^31", "2^32"])
+def test_empty_inputs_with_huge_head_count(heads):
+    # Zero-length sequences, so no kernel runs; the call's divisors (heads, group) are still built on the host
+    # and must not divide by zero or overflow there.
+    q, k, v = (torch.empty(1, heads, 0, 8) for _ in range(3))
+    out, lse = flashcore.attention(q, k, v, return_lse=True)
+    assert out.shape == q.shape and lse.shape == q.shape[:3]
+
+
 @pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
 def test_mixed_devices_raise():
     q, k, v = _qkv(dtype=torch.float16)  # a dtype the CUDA kernels take, so the device check is what fires

@@ -28,8 +28,10 @@ struct FastDiv {
   uint32_t shift = 0;
 
   FastDiv() = default;
+  // Divisors outside [1, 2^31) (zero heads, or 2^31 or more heads of empty tensors, which no kernel is launched
+  // for) become 1, so building the params never divides by zero or shifts by 32.
   explicit FastDiv(int64_t d) {
-    divisor = d < 1 ? 1u : (uint32_t)d;
+    divisor = (d < 1 || d >= (int64_t(1) << 31)) ? 1u : (uint32_t)d;
     while ((uint64_t(1) << shift) < divisor) ++shift;  // ceil(log2(divisor))
     multiplier = (uint32_t)(((uint64_t(1) << 32) * ((uint64_t(1) << shift) - divisor)) / divisor + 1);
   }
