@@ -57,23 +57,26 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   const int frag_row0 = m0 + warp_row0 + (lane >> 2);
   const int frag_col_in_tile = 2 * (lane & 3);
 
-  float s[1][kNTiles][4];
-  float(&s_flat)[kBlockN / 2] = *reinterpret_cast<float(*)[kBlockN / 2]>(&s[0][0][0]);
+  using STile = float[1][kNTiles][4];  // one key tile's scores (m16n8k16 C layout), then its P
+  auto flat = [](STile& t) -> float(&)[kBlockN / 2] { return *reinterpret_cast<float(*)[kBlockN / 2]>(&t[0][0][0]); };
+  STile s;
+  float(&s_flat)[kBlockN / 2] = flat(s);
   uint32_t pa[kBlockN / 16][4];  // P of the previous tile as wgmma A fragments
   uint32_t(&pa_flat)[kBlockN / 4] = *reinterpret_cast<uint32_t(*)[kBlockN / 4]>(&pa[0][0]);
 
   const bool negative_scale = !(p.scale_log2 > 0.f);
   const float softmax_scale = negative_scale ? 1.f : p.scale_log2;
 
-  // S = Q K^T of ring stage `stage`, issued asynchronously.
-  auto issue_qk = [&](int stage) {
+  // S = Q K^T of ring stage `stage` into t, issued asynchronously.
+  auto issue_qk_into = [&](int stage, STile& t) {
     ptx::wgmma_fence();
 #pragma unroll
     for (int ks = 0; ks < kKSteps; ++ks)
-      MmaQK::ss(s_flat, kmajor_desc(q_addr, kBlockM, wg * 64, ks),
+      MmaQK::ss(flat(t), kmajor_desc(q_addr, kBlockM, wg * 64, ks),
                 kmajor_desc(k_addr + stage * Traits::kKVBytes, kBlockN, 0, ks), ks > 0);
     ptx::wgmma_commit();
   };
+  auto issue_qk = [&](int stage) { issue_qk_into(stage, s); };
   // O += P V of ring stage `stage`, issued asynchronously.
   auto issue_pv = [&](int stage) {
     ptx::wgmma_fence();
@@ -82,27 +85,30 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
       MmaPV::rs(o_flat, pa[kk], mnmajor_desc(v_addr + stage * Traits::kKVBytes, kBlockN, kk), true);
     ptx::wgmma_commit();
   };
-  // Scale, mask and fold the scores of key tile n_block into the running softmax; s becomes P.
-  auto softmax_step = [&](int n_block, float (&correction)[2]) {
+  // Scale, mask and fold the scores t of key tile n_block into the running softmax; t becomes P.
+  auto softmax_on = [&](int n_block, float (&correction)[2], STile& t) {
     if (negative_scale) {
 #pragma unroll
       for (int ni = 0; ni < kNTiles; ++ni)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[0][ni][e] *= p.scale_log2;
+        for (int e = 0; e < 4; ++e) t[0][ni][e] *= p.scale_log2;
     }
     if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
-      sm80::apply_mask(s, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
-    return softmax.step(s, softmax_scale, correction);
+      sm80::apply_mask(t, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
+    return softmax.step(t, softmax_scale, correction);
   };
-  auto pack_p = [&] {
+  auto softmax_step = [&](int n_block, float (&correction)[2]) { return softmax_on(n_block, correction, s); };
+  // P (in t) as the A fragments of the P V wgmma.
+  auto pack_from = [&](const STile& t) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      pa[kk][0] = sm80::pack2<Element>(s[0][2 * kk][0], s[0][2 * kk][1]);
-      pa[kk][1] = sm80::pack2<Element>(s[0][2 * kk][2], s[0][2 * kk][3]);
-      pa[kk][2] = sm80::pack2<Element>(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
-      pa[kk][3] = sm80::pack2<Element>(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+      pa[kk][0] = sm80::pack2<Element>(t[0][2 * kk][0], t[0][2 * kk][1]);
+      pa[kk][1] = sm80::pack2<Element>(t[0][2 * kk][2], t[0][2 * kk][3]);
+      pa[kk][2] = sm80::pack2<Element>(t[0][2 * kk + 1][0], t[0][2 * kk + 1][1]);
+      pa[kk][3] = sm80::pack2<Element>(t[0][2 * kk + 1][2], t[0][2 * kk + 1][3]);
     }
   };
+  auto pack_p = [&] { pack_from(s); };
 
   auto full_parity = [&](int use) { return (uint32_t)((use / kStages) & 1); };
   // With a separate O buffer, each warp hands Q back once its last Q K^T has retired (the other GEMM, P V,
@@ -120,42 +126,9 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   // 4 tiles 5.24 -> 5.74, 8 tiles 8.96 -> 9.02, 32 tiles 28.99 -> 27.07; docs/PERFORMANCE.md).
   // Every wgmma issue and wait is unconditional on each path, and the pending group (S of the next tile, into
   // buffer 1) is the same at each pair boundary: where ptxas cannot track what is in flight it serializes every
-  // wgmma of the kernel (an earlier form: 48 of 48 HGMMAs followed by a wait 0). The lambdas above, on the one
-  // buffer s, serve every other variant and path unchanged.
+  // wgmma of the kernel (an earlier form: 48 of 48 HGMMAs followed by a wait 0).
   auto consume_key_tiles_two_buffers = [&] {
-    using STile = float[1][kNTiles][4];
     STile buf[2];
-    auto flat = [](STile& t) -> float(&)[kBlockN / 2] {
-      return *reinterpret_cast<float(*)[kBlockN / 2]>(&t[0][0][0]);
-    };
-    auto issue_qk_into = [&](int stage, STile& t) {
-      ptx::wgmma_fence();
-#pragma unroll
-      for (int ks = 0; ks < kKSteps; ++ks)
-        MmaQK::ss(flat(t), kmajor_desc(q_addr, kBlockM, wg * 64, ks),
-                  kmajor_desc(k_addr + stage * Traits::kKVBytes, kBlockN, 0, ks), ks > 0);
-      ptx::wgmma_commit();
-    };
-    auto softmax_on = [&](int n_block, float (&correction)[2], STile& t) {
-      if (negative_scale) {
-#pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) t[0][ni][e] *= p.scale_log2;
-      }
-      if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
-        sm80::apply_mask(t, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
-      return softmax.step(t, softmax_scale, correction);
-    };
-    auto pack_from = [&](const STile& t) {
-#pragma unroll
-      for (int kk = 0; kk < kBlockN / 16; ++kk) {
-        pa[kk][0] = sm80::pack2<Element>(t[0][2 * kk][0], t[0][2 * kk][1]);
-        pa[kk][1] = sm80::pack2<Element>(t[0][2 * kk][2], t[0][2 * kk][3]);
-        pa[kk][2] = sm80::pack2<Element>(t[0][2 * kk + 1][0], t[0][2 * kk + 1][1]);
-        pa[kk][3] = sm80::pack2<Element>(t[0][2 * kk + 1][2], t[0][2 * kk + 1][3]);
-      }
-    };
     float correction[2];
     const int first = kv_count % kStages, second = (kv_count + 1) % kStages;
     ptx::mbarrier_wait(&smem.k_full[first], full_parity(kv_count));
