@@ -1,15 +1,16 @@
-"""How much of the Hopper backward's time is per-block fixed cost? (Issue 5; prepared in the seventh session.)
-
-Run in the eighth session (H100): inconclusive. At small Sq every call took 0.11-0.15 ms whatever its steps: the
-host's autograd and launch time of a per-call-timed fwd+bwd, not the GPU's. The fit (24 us a block) is therefore
-meaningless; a version that times CUDA-graph replays is needed (docs/PERFORMANCE.md, eighth session).
+"""How much of the Hopper backward's time is per-block fixed cost? (Issue 5.)
 
 The backward runs one block per (key block, kv head); a block walks Sq / 64 query blocks ("steps"). With the grid
 a whole number of waves on the GPU, time ≈ waves × (fixed + steps × step_time), where `fixed` is a block's launch,
-K/V load, pipeline fill and dK/dV epilogue. This script times flashcore's backward alone (fwd+bwd minus fwd, CUDA
-events, median) at Sk = 8192, head dim 128, non-causal, with enough heads for `--waves` full waves, for Sq from 64
-to 4096, and fits the line. A fixed part near 3 µs would be ~10 % of the causal 4×16×8192×128 backward (31 blocks
-per SM at ~32 steps each) and is what a persistent backward can hide; a small one means it cannot.
+K/V load, pipeline fill and dK/dV epilogue. This script times flashcore's backward op alone
+(`torch.ops.flashcore.bwd`: pre-pass, main kernel, dQ conversion) per call inside a replayed CUDA graph of 20
+calls, at Sk = 8192, head dim 128, non-causal, with enough heads for `--waves` full waves, for Sq from 64 to 4096,
+and fits the line. A fixed part near 3 µs would be ~10 % of the causal 4×16×8192×128 backward (31 blocks per SM at
+~32 steps each) and is what a persistent backward can hide; a small one means it cannot.
+
+History: the eighth session's run (H100) timed fwd+bwd minus fwd through autograd with CUDA events per call;
+at small Sq every call took 0.11-0.15 ms whatever its steps (the host's autograd and launch time), so its fit
+(24 us a block) meant nothing. Hence the graph timing of the op alone (not yet run).
 
     PYTHONPATH=$PWD python docs/experiments/bwd_fixed_part.py [--dtype fp16] [--waves 4]
 """
@@ -17,23 +18,22 @@ per SM at ~32 steps each) and is what a persistent backward can hide; a small on
 from __future__ import annotations
 
 import argparse
+import contextlib
+import math
 import os
-import statistics
 import sys
 
 import torch
 
-import flashcore
+import flashcore  # noqa: F401  (loads the extension: torch.ops.flashcore)
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
-from bench import time_events  # noqa: E402  (the benchmark's event timing, not a copy of it)
+from bench import capture_graph, time_graph  # noqa: E402  (the benchmark's graph timing, not a copy of it)
 
 
 def time_ms(fn, n: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    return statistics.median(time_events(fn, n))
+    """Per-call GPU time (ms) of fn in a replayed CUDA graph of n calls (median of 5 replays)."""
+    return time_graph(capture_graph(fn, n, contextlib.nullcontext), n, replays=5)
 
 
 def main() -> int:
@@ -51,21 +51,22 @@ def main() -> int:
     heads = max(1, sms * args.waves // key_blocks)
     waves = heads * key_blocks / sms
     print(f"{torch.cuda.get_device_name()}: {sms} SMs; Sk {args.sk}, head dim 128, {heads} heads, "
-          f"{heads * key_blocks} blocks = {waves:.2f} waves; backward-only ms (fwd+bwd minus fwd)")
+          f"{heads * key_blocks} blocks = {waves:.2f} waves; backward op ms per call in a CUDA graph")
     xs, ys = [], []
+    scale = 1.0 / math.sqrt(128)
     for sq in (64, 128, 256, 512, 1024, 2048, 4096):
-        q = torch.randn(1, heads, sq, 128, device="cuda", dtype=dtype, requires_grad=True)
-        k = torch.randn(1, heads, args.sk, 128, device="cuda", dtype=dtype, requires_grad=True)
-        v = torch.randn(1, heads, args.sk, 128, device="cuda", dtype=dtype, requires_grad=True)
+        q = torch.randn(1, heads, sq, 128, device="cuda", dtype=dtype)
+        k = torch.randn(1, heads, args.sk, 128, device="cuda", dtype=dtype)
+        v = torch.randn(1, heads, args.sk, 128, device="cuda", dtype=dtype)
         dout = torch.randn_like(q)
-        fwd = time_ms(lambda: flashcore.attention(q, k, v))
-        both = time_ms(lambda: torch.autograd.grad(flashcore.attention(q, k, v), (q, k, v), grad_outputs=dout))
+        out, lse = torch.ops.flashcore.fwd(q, k, v, scale, False)
+        bwd_ms = time_ms(lambda: torch.ops.flashcore.bwd(dout, q, k, v, out, lse, scale))
         steps = sq // 64
-        per_wave_us = (both - fwd) * 1e3 / waves
+        per_wave_us = bwd_ms * 1e3 / waves
         xs.append(steps)
         ys.append(per_wave_us)
-        print(f"  Sq {sq:5d}: {steps:3d} steps a block, bwd {both - fwd:8.3f} ms, {per_wave_us:8.2f} us a wave")
-        del q, k, v, dout
+        print(f"  Sq {sq:5d}: {steps:3d} steps a block, bwd {bwd_ms:8.3f} ms, {per_wave_us:8.2f} us a wave")
+        del q, k, v, dout, out, lse
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
