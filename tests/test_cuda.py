@@ -154,18 +154,24 @@ def test_forward_deterministic_run_to_run(request, family):
         assert torch.equal(a, flashcore.attention(q, k, v, is_causal=True))
 
 
+def _capture(fn):
+    """fn captured in a CUDA graph after a warm-up call on a side stream: (graph, fn's outputs in the graph)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up outside capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = fn()
+    return graph, static
+
+
 def test_cuda_graph_capture(request, family):
     g = make_generator(request, DEV)
     q, k, v = (randn((2, 4, 256, 64), torch.float16, g, DEV) for _ in range(3))
     eager = flashcore.attention(q, k, v, is_causal=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        flashcore.attention(q, k, v, is_causal=True)  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_out = flashcore.attention(q, k, v, is_causal=True)
+    graph, static_out = _capture(lambda: flashcore.attention(q, k, v, is_causal=True))
     q.copy_(randn((2, 4, 256, 64), torch.float16, g, DEV))
     graph.replay()
     torch.cuda.synchronize()
@@ -208,14 +214,7 @@ def test_back_to_back_calls_see_previous_outputs(request, family, in_graph, case
 
     expected = chain(sync=True)
     if in_graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            chain(sync=False)  # warm-up outside capture
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = chain(sync=False)
+        graph, static_out = _capture(lambda: chain(sync=False))
         graph.replay()
         torch.cuda.synchronize()
         got = static_out
@@ -339,14 +338,7 @@ def test_backward_cuda_graph_capture(request, deterministic):
         return torch.ops.flashcore.bwd(dout, q, k, v, out, lse, scale, True, deterministic=deterministic)
 
     before = bwd()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        bwd()  # warm-up outside capture
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static_grads = bwd()
+    graph, static_grads = _capture(bwd)
     dout.copy_(randn(shape, torch.float16, g, DEV))
     graph.replay()
     torch.cuda.synchronize()

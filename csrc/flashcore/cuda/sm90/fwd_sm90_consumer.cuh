@@ -190,15 +190,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     if (lane == 0) ptx::mbarrier_arrive(&smem.v_empty[last]);
   };
   ptx::mbarrier_wait(smem.q_full, tile_count & 1);
-  bool walked = false;  // by the two-buffer loop
-  if constexpr (Traits::kScoreBuffers == 2) {
-    if (n_blocks >= Traits::kDeepMinTiles) {
-      consume_key_tiles_two_buffers();
-      walked = true;
-    }
-  }
-  if (walked) {
-    // the two-buffer loop ran the whole key walk, its last P V included
+  if (Traits::kScoreBuffers == 2 && n_blocks >= Traits::kDeepMinTiles) {
+    consume_key_tiles_two_buffers();  // the whole key walk, its last P V included
   } else if (n_blocks > 0) {
     float correction[2];
 
