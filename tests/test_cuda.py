@@ -234,6 +234,56 @@ def test_grid_beyond_65535_blocks(request, family):
     assert torch.allclose(out, ref, atol=2e-3, rtol=0)
 
 
+# Key splits (sm90): a one-warpgroup grid that leaves SMs idle gives each query tile a cluster of blocks, each
+# over a slice of the key tiles, merged through rank 0's shared memory; the launcher splits walks of about 5 key
+# tiles or more. FLASHCORE_KEY_SPLITS caps the blocks a tile (1: no split). The last two shapes give slices that
+# see no key at all: causal query blocks with fewer key tiles than blocks in the cluster, and bottom-right rows
+# (Sq > Sk) that see nothing.
+SPLIT_SHAPES = [(1, 2, 1, 70, 1500), (1, 3, 3, 1, 4097), (1, 1, 1, 1400, 1200), (1, 1, 1, 1280, 1280)]
+
+
+@pytest.fixture
+def sm90_only(monkeypatch):
+    if "sm90" not in _families():
+        pytest.skip("key splits are an sm90 kernel feature: they need a compute capability 9.0 GPU")
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", "sm90")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
+@pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("splits", ["2", "3", "8"])
+def test_forward_key_splits(request, sm90_only, monkeypatch, dtype, head_dim, mask, shape, splits):
+    monkeypatch.setenv("FLASHCORE_KEY_SPLITS", splits)
+    _check_forward(*_random_qkv(request, shape, head_dim, dtype, "bhsd", "bshd"), mask)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_key_split_taken_deterministic_and_graph_safe(request, sm90_only, monkeypatch, head_dim):
+    """A long key walk over few heads is split (its sums run in another order than the unsplit kernel's, so the
+    bits differ); the split result is accurate, identical run to run, and recomputed on CUDA graph replay."""
+    q, k, v = _random_qkv(request, (1, 3, 3, 1, 4097), head_dim, torch.bfloat16, "bhsd", "bhsd")
+    monkeypatch.setenv("FLASHCORE_KEY_SPLITS", "1")
+    unsplit = flashcore.attention(q, k, v)
+    monkeypatch.delenv("FLASHCORE_KEY_SPLITS")
+    split = flashcore.attention(q, k, v)
+    assert not torch.equal(split, unsplit), "the key split did not run"
+    ref, _ = reference_attention(q, k, v)
+    assert_flash_close("out", split, ref, F.scaled_dot_product_attention(q, k, v))
+    for _ in range(3):
+        assert torch.equal(split, flashcore.attention(q, k, v))
+    graph, out = _capture(lambda: flashcore.attention(q, k, v))
+    g = torch.Generator(device=DEV).manual_seed(20261123)
+    for t in (q, k, v):
+        t.copy_(torch.randn(t.shape, generator=g, device=DEV))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref, _ = reference_attention(q, k, v)
+    assert_flash_close("out", out, ref, F.scaled_dot_product_attention(q, k, v))
+
+
 def test_kernel_name_reports_family(monkeypatch):
     q = torch.randn(1, 2, 64, 128, device=DEV, dtype=torch.float16)
     monkeypatch.delenv("FLASHCORE_FORCE_KERNEL", raising=False)

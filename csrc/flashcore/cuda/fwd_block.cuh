@@ -16,6 +16,10 @@ struct FwdBlock {
   int b, h, h_kv;  // batch, query head, key/value head
   int m0;         // first query row of the block
   int n_blocks;   // key blocks [0, n_blocks) may be visible from some row of the block
+  // The block visits key blocks [n_first, n_blocks), last first. n_first > 0 only in a key split (sm90
+  // one-warpgroup blocks): block split_rank of num_splits sharing the query tile, whose partial results merge.
+  int n_first = 0;
+  int split_rank = 0, num_splits = 1;
   const Element* q;
   const Element* k;
   const Element* v;

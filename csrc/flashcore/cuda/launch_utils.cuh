@@ -63,21 +63,69 @@ inline bool pdl_enabled(void (*kernel)(Params...), PdlSupport& support) {
 // before the previous kernel of the stream ends. Only for kernels that keep grid_dependency.cuh's invariant (no
 // global memory access before wait_for_prior_grids()). Inside CUDA graph capture the dependency becomes a
 // programmatic graph edge.
+// With cluster_x > 1 the grid is launched in clusters of cluster_x consecutive blocks (gridDim.x a multiple of it).
 template <typename... Params, typename... Args>
 inline void launch_kernel(void (*kernel)(Params...), PdlSupport& pdl, dim3 grid, dim3 block, int smem_bytes,
-                          cudaStream_t stream, Args&&... args) {
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+                          cudaStream_t stream, unsigned cluster_x, Args&&... args) {
+  cudaLaunchAttribute attr[2];
+  unsigned num_attrs = 0;
+  if (pdl_enabled(kernel, pdl)) {
+    attr[num_attrs].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[num_attrs].val.programmaticStreamSerializationAllowed = 1;
+    ++num_attrs;
+  }
+  if (cluster_x > 1) {
+    attr[num_attrs].id = cudaLaunchAttributeClusterDimension;
+    attr[num_attrs].val.clusterDim.x = cluster_x;
+    attr[num_attrs].val.clusterDim.y = 1;
+    attr[num_attrs].val.clusterDim.z = 1;
+    ++num_attrs;
+  }
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
   config.dynamicSmemBytes = (size_t)smem_bytes;
   config.stream = stream;
   config.attrs = attr;
-  config.numAttrs = pdl_enabled(kernel, pdl) ? 1 : 0;
+  config.numAttrs = num_attrs;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// How many clusters of `cluster_x` blocks of `kernel` can be resident on the current device at once
+// (cudaOccupancyMaxActiveClusters: clusters live within one GPC, so this is not simply SMs / cluster_x). Queried
+// once per device and cluster size, kept in the launcher's static ClusterOccupancy (devices 0..15; others are
+// queried per call). The kernel's dynamic shared memory limit must already be set.
+struct ClusterOccupancy {
+  static constexpr int kMaxCluster = 8;
+  std::atomic<int> clusters[16][kMaxCluster + 1] = {};  // 0: not queried yet
+};
+
+template <typename... Params>
+inline int max_active_clusters(void (*kernel)(Params...), dim3 block, int smem_bytes, unsigned cluster_x,
+                               ClusterOccupancy& cache) {
+  TORCH_CHECK(cluster_x >= 1 && (int)cluster_x <= ClusterOccupancy::kMaxCluster, "flashcore: bad cluster size");
+  int device = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  if (device < 16) {
+    const int known = cache.clusters[device][cluster_x].load(std::memory_order_relaxed);
+    if (known > 0) return known - 1;
+  }
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster_x;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cluster_x);
+  config.blockDim = block;
+  config.dynamicSmemBytes = (size_t)smem_bytes;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int clusters = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  if (device < 16) cache.clusters[device][cluster_x].store(clusters + 1, std::memory_order_relaxed);
+  return clusters;
 }
 
 }  // namespace flashcore::cuda

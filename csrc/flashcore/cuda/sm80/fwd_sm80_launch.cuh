@@ -27,7 +27,7 @@ void launch_fwd_rows(const FwdParams& p, cudaStream_t stream) {
   const int num_m_blocks = (int)((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   const int64_t grid = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked grid <= INT32_MAX
   static cuda::PdlSupport pdl;
-  cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, p, num_m_blocks);
+  cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, 1, p, num_m_blocks);
 }
 
 // A grid of kBlockM-row blocks that leaves multiprocessors idle runs the kBlockMSmallGrid-row variant instead.

@@ -18,6 +18,7 @@
 #include "../sm80/fwd_sm80_mask.cuh"
 #include "../sm80/fwd_sm80_softmax.cuh"
 #include "fwd_sm90_issue_turns.cuh"
+#include "fwd_sm90_split.cuh"
 #include "smem_desc.cuh"
 #include "fwd_sm90_traits.cuh"
 
@@ -44,7 +45,9 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   const uint32_t q_addr = ptx::smem_addr(smem.q);
   const uint32_t k_addr = ptx::smem_addr(smem.k);
   const uint32_t v_addr = ptx::smem_addr(smem.v);
-  const int m0 = blk.m0, n_blocks = blk.n_blocks;
+  // Key blocks n_last, n_last - 1, ... (n_count of them: all of [0, blk.n_blocks) unless the block is one slice
+  // of a key split).
+  const int m0 = blk.m0, n_last = blk.n_blocks - 1, n_count = blk.n_blocks - blk.n_first;
   const int seqlen_k = (int)p.seqlen_k;
 
   float o[1][kDTiles][4];
@@ -138,7 +141,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[first]);
     ptx::mbarrier_wait(&smem.k_full[second], full_parity(kv_count + 1));
     issue_qk_into(second, buf[1]);
-    softmax_on(n_blocks - 1, correction, buf[0]);
+    softmax_on(n_last, correction, buf[0]);
     pack_from(buf[0]);
     // Step it: in flight at its top, S of tile it. Issue P V of tile it - 1; wait for S (groups retire in order);
     // with kMore, issue S of tile it + 1 into the other buffer; softmax; wait for P V (o and pa are its
@@ -160,7 +163,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
       } else {
         release_q();
       }
-      const bool moved = softmax_on(n_blocks - 1 - it, correction, buf[cur]);
+      const bool moved = softmax_on(n_last - it, correction, buf[cur]);
       ptx::wgmma_wait<kMore ? 1 : 0>();
       ptx::fence_operand(o_flat);
       ptx::fence_operand(pa_flat);
@@ -171,17 +174,17 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     using One = std::integral_constant<int, 1>;
     using Zero = std::integral_constant<int, 0>;
     int it = 1;
-    for (; it + 2 < n_blocks; it += 2) {
+    for (; it + 2 < n_count; it += 2) {
       step(One{}, std::true_type{}, it);
       step(Zero{}, std::true_type{}, it + 1);
     }
-    if (it + 1 < n_blocks) {
+    if (it + 1 < n_count) {
       step(One{}, std::true_type{}, it);
       step(Zero{}, std::false_type{}, it + 1);
     } else {
       step(One{}, std::false_type{}, it);
     }
-    const int last_use = kv_count + n_blocks - 1, last = last_use % kStages;
+    const int last_use = kv_count + n_count - 1, last = last_use % kStages;
     ptx::mbarrier_wait(&smem.v_full[last], full_parity(last_use));
     issue_pv(last);
     ptx::wgmma_wait<0>();
@@ -190,15 +193,15 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     if (lane == 0) ptx::mbarrier_arrive(&smem.v_empty[last]);
   };
   ptx::mbarrier_wait(smem.q_full, tile_count & 1);
-  if (Traits::kScoreBuffers == 2 && n_blocks >= Traits::kDeepMinTiles) {
+  if (Traits::kScoreBuffers == 2 && n_count >= Traits::kDeepMinTiles) {
     consume_key_tiles_two_buffers();  // the whole key walk, its last P V included
-  } else if (n_blocks > 0) {
+  } else if (n_count > 0) {
     float correction[2];
 
 #ifdef FLASHCORE_SM90_NO_PINGPONG  // ablation builds only
-    IssueTurns<1> turns(0, n_blocks + 1);
+    IssueTurns<1> turns(0, n_count + 1);
 #else
-    IssueTurns<Traits::kWarpgroups> turns(wg, n_blocks + 1);
+    IssueTurns<Traits::kWarpgroups> turns(wg, n_count + 1);
 #endif
 
     // Tile 0: S, softmax, P (o is still zero: nothing to rescale).
@@ -210,14 +213,14 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     ptx::wgmma_wait<0>();
     ptx::fence_operand(s_flat);
     if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[first]);
-    if (n_blocks == 1) release_q();
-    softmax_step(n_blocks - 1, correction);
+    if (n_count == 1) release_q();
+    softmax_step(n_last, correction);
     pack_p();
 
     // Intra-warpgroup overlap: S of tile `it` runs on the tensor cores behind O += P V of tile it - 1, and the
     // softmax of tile it runs while that P V is still in flight. Only then is o rescaled (it is an operand of
     // the in-flight MMA until wait_group 0).
-    for (int it = 1; it < n_blocks; ++it) {
+    for (int it = 1; it < n_count; ++it) {
       const int use = kv_count + it;
       const int stage = use % kStages, prev = (use - 1) % kStages;
       turns.begin();
@@ -229,8 +232,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
       ptx::wgmma_wait<1>();  // groups retire in order: S of tile it is ready
       ptx::fence_operand(s_flat);
       if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[stage]);
-      if (it == n_blocks - 1) release_q();
-      const bool moved = softmax_step(n_blocks - 1 - it, correction);
+      if (it == n_count - 1) release_q();
+      const bool moved = softmax_step(n_last - it, correction);
       ptx::wgmma_wait<0>();  // P V of tile it - 1 has retired: o and pa are free
       ptx::fence_operand(o_flat);
       ptx::fence_operand(pa_flat);
@@ -239,7 +242,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
       pack_p();
     }
 
-    const int last_use = kv_count + n_blocks - 1, last = last_use % kStages;
+    const int last_use = kv_count + n_count - 1, last = last_use % kStages;
     turns.begin();
     ptx::mbarrier_wait(&smem.v_full[last], full_parity(last_use));
     issue_pv(last);
@@ -254,6 +257,9 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
 
   float lse[2];
   softmax.finalize(o, lse);
+  if constexpr (Traits::kSplitKeys) {
+    if (blk.num_splits > 1 && !merge_key_splits<Traits>(o_flat, lse, smem, blk)) return;
+  }
   // The staging buffer is free: with kSeparateO, once the previous tile's TMA store has read it (only thread 0,
   // which issued that store, can wait for it); otherwise (O staged in Q) once every consumer's wgmma reads of Q
   // have retired (wait_group 0 above). The barrier makes either true for all consumers.

@@ -27,12 +27,14 @@
 
 #include "../../params.h"
 #include "../fwd_block.cuh"
+#include "../ptx/cluster.cuh"
 #include "../ptx/grid_dependency.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "fwd_sm90_config.cuh"
 #include "fwd_sm90_consumer.cuh"
 #include "fwd_sm90_producer.cuh"
+#include "fwd_sm90_split.cuh"
 #include "fwd_sm90_traits.cuh"
 
 namespace flashcore::sm90 {
@@ -53,8 +55,22 @@ __device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_bloc
       const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)tile);
       if (tile_count == 0) ptx::wait_for_prior_grids();
       tile_fn(blk, tile_count, kv_count);
-      kv_count += blk.n_blocks;  // >= 0 (fwd_block clamps)
+      kv_count += blk.n_blocks - blk.n_first;  // >= 0 (fwd_block clamps)
     }
+  } else if constexpr (Traits::kSplitKeys) {
+    // Launched in clusters of num_splits blocks (1: no key split): cluster c computes tile c, its block of rank r
+    // the r-th of num_splits near-equal slices of the tile's key blocks.
+    auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)ptx::cluster_id_x());
+    const int splits = (int)ptx::cluster_size();
+    if (splits > 1) {
+      const int rank = (int)ptx::cluster_rank(), n = blk.n_blocks;
+      blk.n_first = n * rank / splits;
+      blk.n_blocks = n * (rank + 1) / splits;
+      blk.split_rank = rank;
+      blk.num_splits = splits;
+    }
+    ptx::wait_for_prior_grids();
+    tile_fn(blk, 0, 0);
   } else {
     const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)blockIdx.x);
     ptx::wait_for_prior_grids();
@@ -82,9 +98,23 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ptx::mbarrier_init(&smem.k_empty[s], Traits::kConsumerWarps);
       ptx::mbarrier_init(&smem.v_empty[s], Traits::kConsumerWarps);
     }
+    if constexpr (Traits::kSplitKeys) {
+      ptx::mbarrier_init(smem.split_full, 1);
+      ptx::mbarrier_init(smem.split_go, 1);
+    }
     ptx::fence_barrier_init();
   }
   __syncthreads();
+  // A key split's blocks write into rank 0's shared memory and signal each other's barriers: rank 0 expects the
+  // other ranks' bytes, and no block touches another's barriers before all are initialized. Every thread arrives
+  // on the cluster barrier here and waits on it only before its first remote access (fwd_sm90_split.cuh) or its
+  // exit, so the blocks do not wait for each other at the start.
+  const bool split = Traits::kSplitKeys && ptx::cluster_size() > 1;
+  if (split) {
+    if (threadIdx.x == 0 && ptx::cluster_rank() == 0)
+      ptx::mbarrier_arrive_expect_tx(smem.split_full, (ptx::cluster_size() - 1) * Traits::kPartialBytes);
+    ptx::cluster_arrive();
+  }
   // Launched with programmatic dependent launch: the setup above, the descriptor prefetches below and the first
   // tile's coordinates may overlap the previous kernel; every thread that touches global memory (TMA loads, O/LSE
   // stores) waits for it first, in for_each_tile.
@@ -98,7 +128,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ptx::tma_prefetch_descriptor(&tm_v);
       for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
         produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count);
+        if constexpr (Traits::kSplitKeys) {
+          if (split) {
+            ptx::cluster_wait();
+            if (blk.split_rank == 0) open_split_slots<Traits>(smem, blk.n_blocks - blk.n_first, blk.num_splits);
+          }
+        }
       });
+    } else if (split) {
+      ptx::cluster_wait();
     }
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();

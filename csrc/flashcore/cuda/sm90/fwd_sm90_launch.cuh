@@ -8,6 +8,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 
 #include "../../params.h"
@@ -16,6 +17,44 @@
 #include "tma_desc.h"
 
 namespace flashcore::sm90 {
+
+// Key splits (fwd_sm90_split.cuh) for a one-warpgroup grid: s blocks a tile cut the longest key walk from T to
+// ceil(T / s) key tiles, and cost, in key tiles of the walk, kSplitFixedTiles (the merge's hand-over and its cold
+// code), kSplitPerRankTiles for each rank merged, and kSplitFullGpuTiles more where the split grid takes more than
+// half of the SMs. Fitted on the H100 at head dim 64 (graph us, unsplit -> split; docs/PERFORMANCE.md):
+// 1x4x512x64 (T = 4, s = 2, 64 blocks) 5.18 -> 4.72, 1x8x512x64 (s = 2, 128 blocks) 5.27 -> 5.41, 1x4x1024x64
+// (T = 8, s = 4, 128 blocks) 8.67 -> 7.18, 1x8x64/4096x64 (T = 32, s = 8, 64 blocks) 27.1 -> 8.8. Taken: the s, up
+// to kMaxKeySplits, that saves the most by that estimate, among those whose clusters all fit on the GPU at once
+// (max_clusters(s): resident clusters of s blocks); 1 if none saves. FLASHCORE_KEY_SPLITS=n caps s (1: no split),
+// read per call like the other switches, so benchmarks and tests can compare.
+constexpr double kSplitFixedTiles = 1.0, kSplitPerRankTiles = 0.5, kSplitFullGpuTiles = 1.5;
+
+template <typename Traits, typename MaxClusters>
+int pick_key_splits(const FwdParams& p, int64_t num_tiles, int num_sms, MaxClusters&& max_clusters) {
+  int cap = Traits::kMaxKeySplits;
+  if (const char* env = std::getenv("FLASHCORE_KEY_SPLITS")) {
+    const int n = std::atoi(env);
+    TORCH_CHECK(n >= 1, "flashcore: FLASHCORE_KEY_SPLITS must be a positive integer, got '", env, "'");
+    cap = n < cap ? n : cap;
+  }
+  int64_t keys = p.seqlen_k;  // of the longest walk: the last query block's under a causal mask
+  if (p.causal) {
+    const int64_t visible = p.seqlen_q + p.causal_offset;
+    keys = visible < keys ? (visible > 0 ? visible : 0) : keys;
+  }
+  const int64_t key_tiles = (keys + Traits::kBlockN - 1) / Traits::kBlockN;
+  int best = 1;
+  double best_saving = 0.0;
+  for (int s = 2; s <= cap; ++s) {
+    const double saving = (double)(key_tiles - (key_tiles + s - 1) / s) - kSplitFixedTiles -
+                          kSplitPerRankTiles * (s - 1) - (num_tiles * s > num_sms / 2 ? kSplitFullGpuTiles : 0.0);
+    if (saving > best_saving && num_tiles <= max_clusters(s)) {
+      best = s;
+      best_saving = saving;
+    }
+  }
+  return best;
+}
 
 template <typename Traits>
 void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
@@ -49,10 +88,17 @@ void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
   //    build where the loop also made head dim 256 spill; that head dim is now built without it).
   const bool persistent =
       Traits::kPersistent && !p.causal && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
-  const int64_t grid = (persistent && num_tiles > num_sms) ? num_sms : num_tiles;
+  int splits = 1;
+  if constexpr (Traits::kSplitKeys) {
+    static cuda::ClusterOccupancy occupancy;
+    splits = pick_key_splits<Traits>(p, num_tiles, num_sms, [&](int s) {
+      return cuda::max_active_clusters(kernel, dim3(Traits::kNThreads), kSmem, (unsigned)s, occupancy);
+    });
+  }
+  const int64_t grid = (persistent && num_tiles > num_sms) ? num_sms : num_tiles * splits;
   static cuda::PdlSupport pdl;
-  cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, p, tm_q, tm_k, tm_v,
-                      tm_o, num_m_blocks, (int)num_tiles);
+  cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, (unsigned)splits, p,
+                      tm_q, tm_k, tm_v, tm_o, num_m_blocks, (int)num_tiles);
 }
 
 // A block's time per K/V tile grows with its query rows: its warpgroups share one SM's tensor cores and SFU

@@ -33,7 +33,8 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
   for (int span = 0; span < Traits::kSpans; ++span)
     ptx::tma_load_4d(smem.q + span * Traits::kBlockM * 64, tm_q, smem.q_full, span * 64, blk.m0, h, b);
 
-  for (int it = 0; it < blk.n_blocks; ++it) {
+  const int n_count = blk.n_blocks - blk.n_first;
+  for (int it = 0; it < n_count; ++it) {
     const int use = kv_count + it;
     const int stage = use % Traits::kStages;
     const uint32_t parity = ptx::empty_parity(use / Traits::kStages);

@@ -56,6 +56,15 @@ struct FwdSm90Traits {
   static constexpr int kScoreBuffers =
       (kWarpgroups == 1 && 2 * (kBlockN / 2) + kBlockN / 4 + kHeadDim / 2 <= 192) ? 2 : 1;
   static constexpr int kDeepMinTiles = 16;  // key tiles from which a block takes the two-buffer loop (consumer)
+  // Key splits (one-warpgroup blocks only, whose grids leave SMs idle): a cluster of up to kMaxKeySplits blocks
+  // shares one query tile, each walking a slice of its key tiles; every block but rank 0 sends its normalized O
+  // and LSE (kSplitVecs float4 a thread) into rank 0's K/V ring, free once rank 0's key walk is done, and rank 0
+  // merges them (fwd_sm90_split.cuh). The ring bounds the splits.
+  static constexpr bool kSplitKeys = kWarpgroups == 1;
+  static constexpr int kSplitVecs = (kHeadDim / 2 + 2 + 3) / 4;  // O fragment + 2 row LSEs, in float4s
+  static constexpr uint32_t kPartialBytes = kSplitVecs * 128 * 16;
+  static constexpr int kMaxKeySplitsRing = 1 + (int)(2 * kStages * (kBlockN * kHeadDim * 2) / kPartialBytes);
+  static constexpr int kMaxKeySplits = !kSplitKeys ? 1 : kMaxKeySplitsRing < 8 ? kMaxKeySplitsRing : 8;
   static constexpr int kSpans = kHeadDim / 64;  // TMA boxes per tile
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
 
@@ -63,7 +72,8 @@ struct FwdSm90Traits {
   using KVTile = sm80::SmemTile<kBlockN, kHeadDim>;
   static constexpr uint32_t kQBytes = QTile::kElems * 2;
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
-  static constexpr int kBarriers = 2 + 4 * kStages;
+  static_assert((kMaxKeySplits - 1) * kPartialBytes <= 2 * kStages * kKVBytes, "partial results overflow the ring");
+  static constexpr int kBarriers = 2 + 4 * kStages + (kSplitKeys ? 2 : 0);
   // The epilogue stages O in a buffer of its own where shared memory allows (all but the two-warpgroup variants
   // of head dim 256 and of the 176-key tiles; every variant a persistent grid runs has it): the consumers then
   // release Q as soon as their last Q K^T retires, and the next tile's Q loads while this tile finishes its last
@@ -91,6 +101,8 @@ struct SharedStorage {
   uint64_t* v_full;
   uint64_t* k_empty;
   uint64_t* v_empty;
+  uint64_t* split_full;  // kSplitKeys, rank 0: the other ranks' partial results have landed (st.async bytes)
+  uint64_t* split_go;    // kSplitKeys, ranks > 0: rank 0's ring is free for them
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* raw) {
     unsigned char* base =
@@ -107,6 +119,8 @@ struct SharedStorage {
     v_full = k_full + Traits::kStages;
     k_empty = v_full + Traits::kStages;
     v_empty = k_empty + Traits::kStages;
+    split_full = v_empty + Traits::kStages;
+    split_go = split_full + 1;
   }
   __device__ __forceinline__ Element* k_stage(int s) const { return k + s * Traits::KVTile::kElems; }
   __device__ __forceinline__ Element* v_stage(int s) const { return v + s * Traits::KVTile::kElems; }
