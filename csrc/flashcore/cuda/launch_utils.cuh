@@ -122,8 +122,13 @@ inline int max_active_clusters(void (*kernel)(Params...), dim3 block, int smem_b
   config.dynamicSmemBytes = (size_t)smem_bytes;
   config.attrs = attr;
   config.numAttrs = 1;
+  // A device or configuration that cannot launch such clusters reports an error here: then no cluster is
+  // resident (the caller does not split), and the error is cleared so that it does not surface at a later check.
   int clusters = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveClusters(&clusters, kernel, &config));
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
   if (device < 16) cache.clusters[device][cluster_x].store(clusters + 1, std::memory_order_relaxed);
   return clusters;
 }
