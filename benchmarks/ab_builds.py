@@ -6,6 +6,11 @@ its ratio to a reference backend measured in the same process, median over the r
     python benchmarks/ab_builds.py base.so variant.so --reps 2 -- \\
         --shape 4,16,16,8192,8192,128,bf16,0 --modes fwd --backends flashcore,sdpa-cudnn --no-graph
 
+A build may carry environment settings for its runs, `path.so@NAME=VALUE[,NAME=VALUE]`, so that switches read per
+call (FLASHCORE_KEY_SPLITS, FLASHCORE_KEY_GROUPS, ...) can be compared within one build:
+
+    python benchmarks/ab_builds.py fc.so@FLASHCORE_KEY_GROUPS=1 fc.so --graph -- --shapes small --modes fwd
+
 Build the variants first (e.g. `git apply docs/experiments/X.patch`, a dev build, `strip --strip-debug` the
 `.so` to a new name); docs/experiments/README.md lists the prepared ones. The installed `.so` is restored at the
 end.
@@ -56,7 +61,8 @@ def main() -> int:
         i = argv.index("--")
         argv, bench_args = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("builds", nargs="+", help="extension files (.so) to compare; the first is the baseline")
+    p.add_argument("builds", nargs="+", help="extension files (.so) to compare, each optionally with @NAME=VALUE[,...] "
+                   "environment settings for its runs; the first is the baseline")
     p.add_argument("--reps", type=int, default=2, help="rounds over all builds (default 2)")
     p.add_argument("--ref", default=None, help="reference backend for the ratio (default: sdpa-cudnn if run, "
                    "else sdpa, else the first other backend)")
@@ -67,9 +73,20 @@ def main() -> int:
                    help="before the first round, run `pytest ARGS` with each build installed (e.g. \"tests/test_cuda.py "
                    "-q -x -k 'sm90 and forward'\"); a build whose tests fail is reported and left out of the timing")
     args = p.parse_args(argv)
+    if len(set(args.builds)) != len(args.builds):
+        p.error("a build is listed twice")
+    envs = {}
     for b in args.builds:
-        if not os.path.isfile(b):
-            p.error(f"no such build: {b}")
+        path, _, settings = b.partition("@")
+        if not os.path.isfile(path):
+            p.error(f"no such build: {path}")
+        env = dict(os.environ)
+        for item in filter(None, settings.split(",")):
+            name, eq, value = item.partition("=")
+            if not eq or not name:
+                p.error(f"{b}: environment settings are NAME=VALUE, comma-separated")
+            env[name] = value
+        envs[b] = (path, env)
 
     out_dir = args.keep or tempfile.mkdtemp(prefix="flashcore_ab_")
     os.makedirs(out_dir, exist_ok=True)
@@ -81,9 +98,10 @@ def main() -> int:
     try:
         if args.pytest:
             for build in args.builds:
-                shutil.copy2(build, INSTALLED)
+                shutil.copy2(envs[build][0], INSTALLED)
                 print(f"== pytest {args.pytest} with {build}", flush=True)
-                rc = subprocess.run([sys.executable, "-m", "pytest", *shlex.split(args.pytest)], cwd=ROOT).returncode
+                rc = subprocess.run([sys.executable, "-m", "pytest", *shlex.split(args.pytest)], cwd=ROOT,
+                                    env=envs[build][1]).returncode
                 if rc != 0:
                     print(f"!! tests failed with {build} (exit {rc}): left out of the timing", flush=True)
                     failed.append(build)
@@ -92,11 +110,11 @@ def main() -> int:
             for i, build in enumerate(args.builds):
                 if build in failed:
                     continue
-                shutil.copy2(build, INSTALLED)
+                shutil.copy2(envs[build][0], INSTALLED)
                 path = os.path.join(out_dir, f"v{i}_r{rep}.json")
                 print(f"== {build} (round {rep + 1}/{args.reps})", flush=True)
                 cmd = [sys.executable, os.path.join(HERE, "bench.py"), *bench_args, "--json", path]
-                subprocess.run(cmd, check=True, cwd=ROOT)
+                subprocess.run(cmd, check=True, cwd=ROOT, env=envs[build][1])
                 with open(path) as f:
                     runs[build].append(json.load(f))
     finally:
@@ -125,7 +143,8 @@ def main() -> int:
     print(f"\nflashcore {what}, median over rounds")
     timed = [b for b in args.builds if b not in failed]
     names = [os.path.basename(b) for b in timed]
-    print(f"{'shape':<34} {'mode':<7} " + " ".join(f"{n[:22]:>24}" for n in names))
+    width = max(24, max(len(n) for n in names) + 2)
+    print(f"{'shape':<34} {'mode':<7} " + " ".join(f"{n:>{width}}" for n in names))
     for key, per in rows.items():
         label, dtype, causal, mode, ref = key
         cells = []
@@ -133,7 +152,7 @@ def main() -> int:
             vals = per.get(b, [])
             t, r = med([v[0] for v in vals]), med([v[1] for v in vals])
             cells.append(f"{t:8.2f} ({r:.3f} {ref[-5:]})" if t and r else f"{'-':>24}")
-        print(f"{label + ' ' + dtype + ' ' + causal:<34} {mode:<7} " + " ".join(f"{c:>24}" for c in cells))
+        print(f"{label + ' ' + dtype + ' ' + causal:<34} {mode:<7} " + " ".join(f"{c:>{width}}" for c in cells))
     print(f"\nraw JSON in {out_dir}")
     if failed:
         print("tests failed with: " + ", ".join(failed))

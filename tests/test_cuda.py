@@ -250,7 +250,7 @@ def sm90_only(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
 @pytest.mark.parametrize("shape", SPLIT_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("splits", ["2", "3", "8"])
@@ -305,7 +305,7 @@ def bwd_path(request, monkeypatch):
     return request.param
 
 
-BWD_HEAD_DIMS = [32, 64, 80, 128, 192, 256]
+BWD_HEAD_DIMS = [32, 64, 80, 96, 128, 192, 256]
 # (B, Hq, Hkv, Sq, Sk): equal lengths, GQA with Sq < Sk, one query row, Sq > Sk (rows that see no key when
 # bottom-right aligned)
 BWD_SHAPES = [(2, 4, 4, 300, 300), (1, 8, 2, 129, 517), (1, 2, 1, 1, 77), (2, 3, 3, 200, 17)]

@@ -10,9 +10,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # (pass, family) -> head-dim tiles
 KERNELS = {
     ("fwd", "sm80"): [32, 64, 96, 128, 192, 256],
-    ("fwd", "sm90"): [64, 128, 256],
+    ("fwd", "sm90"): [64, 96, 128, 256],
     ("bwd", "sm80"): [32, 64, 96, 128, 192, 256],
-    ("bwd", "sm90"): [64, 128, 256],
+    ("bwd", "sm90"): [64, 96, 128, 256],
 }
 DTYPES = {"fp16": ("__half", "kFp16"), "bf16": ("__nv_bfloat16", "kBf16")}
 

@@ -29,6 +29,8 @@ template <> struct BwdSm90Config<128> {
   static constexpr bool kDqByKeys = false;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
 };
+// Head dim 96 runs the 128-wide tiles with narrower GEMMs (bwd_sm90_traits.cuh): same shapes as 128.
+template <> struct BwdSm90Config<96> : BwdSm90Config<128> {};
 template <> struct BwdSm90Config<256> {
   static constexpr int kWarpgroups = 2, kBlockM = 64, kStages = 2, kDoStages = 1;
   static constexpr bool kDqByKeys = false;

@@ -14,8 +14,12 @@ template <int kHeadDim_, typename Element_>
 struct BwdSm90Traits {
   using Element = Element_;
   using Config = BwdSm90Config<kHeadDim_>;
+  // kHeadDim is the width the GEMMs compute; the shared-memory tiles are whole 64-element swizzle spans
+  // (kTileCols). Head dim 96 keeps the 128-wide tiles: S^T and dP^T take 6 k-steps, dV and dK are n96, and the
+  // second warpgroup's dQ chunk (columns 64..127) computes zeros past 96 that the dQ reduction drops.
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "wgmma tiles use 64-element swizzle spans");
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "k16 steps within 64-element swizzle spans");
+  static constexpr int kTileCols = (kHeadDim + 63) / 64 * 64;
   static constexpr int kWarpgroups = Config::kWarpgroups;  // consumers
   // Up to head dim 128 each consumer warpgroup owns 64 keys of the block, all head-dim columns of their dK/dV.
   // Above, the warpgroups share 64 keys and split the columns (bwd_sm90_consumer_wide.cuh).
@@ -39,7 +43,7 @@ struct BwdSm90Traits {
   static constexpr int kLaunchRegs = ptx::launch_regs_per_thread(kNThreads);
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kNThreads,
                 "setmaxnreg split exceeds the registers the block gets at launch");
-  static constexpr int kSpans = kHeadDim / 64;  // TMA boxes per Q/dO/K/V tile
+  static constexpr int kSpans = kTileCols / 64;  // TMA boxes per Q/dO/K/V tile
 
   // dQ = dS K of the step is split between the warpgroups by keys or by head-dim columns (Config::kDqByKeys).
   // Split head dim: by columns, kDqChunks 64-column chunks a warpgroup, one after the other through its staging
@@ -47,12 +51,12 @@ struct BwdSm90Traits {
   static constexpr bool kDqSplitKeys = Config::kDqByKeys;
   static_assert(!(kDqSplitKeys && kSplitHeadDim), "split head dim splits dQ by columns");
   static constexpr int kDqKeys = kDqSplitKeys ? 64 : kBlockN;  // K extent of one warpgroup's dQ GEMM
-  static constexpr int kDqCols = kDqSplitKeys ? kHeadDim : 64;  // N of one warpgroup's dQ GEMM (one chunk)
+  static constexpr int kDqCols = kDqSplitKeys ? kTileCols : 64;  // N of one warpgroup's dQ GEMM (one chunk)
   static constexpr int kDqChunks = kSplitHeadDim ? kWgCols / 64 : 1;
-  static_assert(kDqSplitKeys || kHeadDim / kWarpgroups == 64 * kDqChunks, "dQ chunks are m64n64");
+  static_assert(kDqSplitKeys || kTileCols / kWarpgroups == 64 * kDqChunks, "dQ chunks are m64n64");
 
-  using QTile = sm80::SmemTile<kBlockM, kHeadDim>;   // Q and dO: rows = queries
-  using KVTile = sm80::SmemTile<kBlockN, kHeadDim>;  // K and V: rows = keys
+  using QTile = sm80::SmemTile<kBlockM, kTileCols>;   // Q and dO: rows = queries
+  using KVTile = sm80::SmemTile<kBlockN, kTileCols>;  // K and V: rows = keys
   using DsTile = sm80::SmemTile<kBlockN, kBlockM>;   // dS^T: rows = keys, 64-query spans
   static constexpr uint32_t kQBytes = QTile::kElems * 2;
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;

@@ -27,6 +27,8 @@ template <> struct FwdSm90Config<128> {
   static constexpr int kWideMinKeys = 4096;
   static constexpr bool kPersistent = true;
 };
+// Head dim 96 runs the 128-wide tiles with n96 / 6-k-step GEMMs (fwd_sm90_traits.cuh): same shapes as 128.
+template <> struct FwdSm90Config<96> : FwdSm90Config<128> {};
 template <> struct FwdSm90Config<256> {
   static constexpr int kWarpgroups = 2, kBlockN = 64, kStages = 2, kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kBlockNNonCausal = 64;

@@ -17,8 +17,13 @@ template <int kHeadDim_, typename Element_, int kWarpgroups_ = FwdSm90Config<kHe
 struct FwdSm90Traits {
   using Element = Element_;
   using Config = FwdSm90Config<kHeadDim_>;
+  // kHeadDim is the width the GEMMs compute (head dims up to it run here); the shared-memory tiles are whole
+  // 64-element swizzle spans (kTileCols), so head dim 96 keeps the 128-wide tiles' layout, TMA boxes and
+  // descriptors, and only its wgmma are narrower: Q K^T takes 6 k-steps, P V is n96. The columns past 96 are never
+  // read by a wgmma (TMA fills them with zeros, and the store of O clips them).
   static constexpr int kHeadDim = kHeadDim_;
-  static_assert(kHeadDim % 64 == 0 && kHeadDim <= 256, "wgmma tiles use 64-element swizzle spans");
+  static_assert(kHeadDim % 32 == 0 && kHeadDim <= 256, "k16 steps within 64-element swizzle spans");
+  static constexpr int kTileCols = (kHeadDim + 63) / 64 * 64;
   static constexpr int kWarpgroups = kWarpgroups_;  // consumers
   static_assert(kWarpgroups >= 1 && kWarpgroups <= Config::kWarpgroups, "more consumers than configured");
   static constexpr int kBlockM = 64 * kWarpgroups;
@@ -63,13 +68,13 @@ struct FwdSm90Traits {
   static constexpr bool kSplitKeys = kWarpgroups == 1;
   static constexpr int kSplitVecs = (kHeadDim / 2 + 2 + 3) / 4;  // O fragment + 2 row LSEs, in float4s
   static constexpr uint32_t kPartialBytes = kSplitVecs * 128 * 16;
-  static constexpr int kMaxKeySplitsRing = 1 + (int)(2 * kStages * (kBlockN * kHeadDim * 2) / kPartialBytes);
+  static constexpr int kMaxKeySplitsRing = 1 + (int)(2 * kStages * (kBlockN * kTileCols * 2) / kPartialBytes);
   static constexpr int kMaxKeySplits = !kSplitKeys ? 1 : kMaxKeySplitsRing < 8 ? kMaxKeySplitsRing : 8;
-  static constexpr int kSpans = kHeadDim / 64;  // TMA boxes per tile
+  static constexpr int kSpans = kTileCols / 64;  // TMA boxes per tile
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
 
-  using QTile = sm80::SmemTile<kBlockM, kHeadDim>;
-  using KVTile = sm80::SmemTile<kBlockN, kHeadDim>;
+  using QTile = sm80::SmemTile<kBlockM, kTileCols>;
+  using KVTile = sm80::SmemTile<kBlockN, kTileCols>;
   static constexpr uint32_t kQBytes = QTile::kElems * 2;
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
   static_assert((kMaxKeySplits - 1) * kPartialBytes <= 2 * kStages * kKVBytes, "partial results overflow the ring");
