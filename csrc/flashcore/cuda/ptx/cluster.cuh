@@ -8,7 +8,8 @@
 // Shared memory of another block of the cluster is addressed through a shared::cluster address (map_to_rank); a
 // block may access it only while that block is running: each protocol below keeps the target resident (it waits
 // for the data) and starts only after every block of the cluster has initialized its barriers (cluster_arrive,
-// cluster_wait).
+// cluster_wait). The special registers are constant for a launch: plain (not volatile) asm lets the compiler read
+// them once. Waits with cluster-scope acquire: mbarrier_wait<Scope::kCluster> (mbarrier.cuh).
 #pragma once
 
 #include <cstdint>
@@ -17,19 +18,19 @@ namespace flashcore::ptx {
 
 __device__ __forceinline__ uint32_t cluster_id_x() {
   uint32_t v;
-  asm volatile("mov.u32 %0, %%clusterid.x;\n" : "=r"(v));
+  asm("mov.u32 %0, %%clusterid.x;\n" : "=r"(v));
   return v;
 }
 
 __device__ __forceinline__ uint32_t cluster_rank() {
   uint32_t v;
-  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(v));
+  asm("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(v));
   return v;
 }
 
 __device__ __forceinline__ uint32_t cluster_size() {
   uint32_t v;
-  asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(v));
+  asm("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(v));
   return v;
 }
 
@@ -63,19 +64,6 @@ __device__ __forceinline__ void st_async_v4(uint32_t remote_addr, const float (&
       "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.f32 [%0], {%1, %2, %3, %4}, [%5];\n" ::"r"(
           remote_addr),
       "f"(v[0]), "f"(v[1]), "f"(v[2]), "f"(v[3]), "r"(remote_bar)
-      : "memory");
-}
-
-// mbarrier_wait (mbarrier.cuh) with cluster-scope acquire: for phases completed by other blocks' arrivals.
-__device__ __forceinline__ void mbarrier_wait_cluster(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
       : "memory");
 }
 

@@ -34,18 +34,39 @@ __device__ __forceinline__ void mbarrier_arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.release.cta.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
 
+// Acquire scope of a wait: kCta for phases completed by this block's threads and its TMA copies, kCluster for
+// phases completed by other blocks of the cluster (remote arrivals, st.async bytes), whose writes the waiter reads.
+enum class Scope { kCta, kCluster };
+
 // Blocks until the phase with parity `parity` has completed (try_wait suspends in hardware for a while between
-// polls, so the loop does not spin hot).
+// polls, so the loop does not spin hot). `bar` is a shared::cta address.
+template <Scope kScope = Scope::kCta>
+__device__ __forceinline__ void mbarrier_wait(uint32_t bar, uint32_t parity) {
+  if constexpr (kScope == Scope::kCta) {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+  } else {
+    asm volatile(
+        "{\n"
+        ".reg .pred done;\n"
+        "WAIT_%=:\n"
+        "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 done, [%0], %1;\n"
+        "@!done bra WAIT_%=;\n"
+        "}\n" ::"r"(bar),
+        "r"(parity)
+        : "memory");
+  }
+}
+template <Scope kScope = Scope::kCta>
 __device__ __forceinline__ void mbarrier_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred done;\n"
-      "WAIT_%=:\n"
-      "mbarrier.try_wait.parity.acquire.cta.shared::cta.b64 done, [%0], %1;\n"
-      "@!done bra WAIT_%=;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
+  mbarrier_wait<kScope>(smem_addr(bar), parity);
 }
 
 // Phase parity to wait for on an "empty" barrier before use number `use` of the resource it guards (a fresh

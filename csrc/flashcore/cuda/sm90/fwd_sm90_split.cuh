@@ -68,7 +68,7 @@ __device__ __forceinline__ bool merge_key_splits(float (&o_flat)[kOValues], floa
   const uint32_t ring = ptx::smem_addr(smem.k);
   ptx::cluster_wait();  // every block's barriers are initialized (the kernel arrived after init)
   if (blk.split_rank != 0) {
-    ptx::mbarrier_wait_cluster(ptx::smem_addr(smem.split_go), 0);
+    ptx::mbarrier_wait<ptx::Scope::kCluster>(smem.split_go, 0);
     const uint32_t slot = ring + (uint32_t)(blk.split_rank - 1) * Traits::kPartialBytes + t * 16;
     const uint32_t dst = ptx::map_to_rank(slot, 0);
     const uint32_t bar = ptx::map_to_rank(ptx::smem_addr(smem.split_full), 0);
@@ -82,7 +82,7 @@ __device__ __forceinline__ bool merge_key_splits(float (&o_flat)[kOValues], floa
     return false;
   }
 
-  ptx::mbarrier_wait_cluster(ptx::smem_addr(smem.split_full), 0);
+  ptx::mbarrier_wait<ptx::Scope::kCluster>(smem.split_full, 0);
 
   auto slot_vec = [&](int r, int j) {
     const unsigned char* base = reinterpret_cast<const unsigned char*>(smem.k);
