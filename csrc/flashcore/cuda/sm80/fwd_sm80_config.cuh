@@ -12,14 +12,18 @@ namespace flashcore::sm80 {
 template <int kHeadDim>
 struct FwdConfig;
 
-// kBlockMSmallGrid: rows of the variant launched when the grid of kBlockM-row blocks has fewer blocks than the
-// GPU has multiprocessors (one m-tile a warp: half the serial MMA chain per key block, twice the blocks).
-//                                                  kBlockM      kBlockN      kNWarps     kQInRegs          kBlockMSmallGrid
-template <> struct FwdConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = true;  static constexpr int kBlockMSmallGrid = 64; };
-template <> struct FwdConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = true;  static constexpr int kBlockMSmallGrid = 64; };
-template <> struct FwdConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 64; };
-template <> struct FwdConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 64; };
-template <> struct FwdConfig<192> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 8; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 128; };
-template <> struct FwdConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 32,  kNWarps = 4; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 64; };
+// kBlockMSmallGrid x kBlockNSmallGrid: the tile of the variant launched when the grid of kBlockM-row blocks has
+// fewer blocks than the GPU has multiprocessors (one m-tile a warp: half the serial MMA chain per key block, twice
+// the blocks). Up to head dim 64 its key blocks are 128 wide: a warp's 16 rows leave registers for 64 scores a
+// thread, and each key block's fixed costs (two __syncthreads, cp.async waits, row max/sum shuffles, the O
+// rescale) are paid half as often (H100, forced, graph us: 4x8x512x64 11.88 -> 9.59, 1x8x512x64 7.20 -> 6.26;
+// docs/PERFORMANCE.md). Shared memory stays 72 KiB at head dim 64, two blocks an SM on sm_80/sm_90.
+//                                                  kBlockM      kBlockN      kNWarps     kQInRegs          kBlockMSmallGrid        kBlockNSmallGrid
+template <> struct FwdConfig<32>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = true;  static constexpr int kBlockMSmallGrid = 64,  kBlockNSmallGrid = 128; };
+template <> struct FwdConfig<64>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = true;  static constexpr int kBlockMSmallGrid = 64,  kBlockNSmallGrid = 128; };
+template <> struct FwdConfig<96>  { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 64,  kBlockNSmallGrid = 64; };
+template <> struct FwdConfig<128> { static constexpr int kBlockM = 128, kBlockN = 64,  kNWarps = 4; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 64,  kBlockNSmallGrid = 64; };
+template <> struct FwdConfig<192> { static constexpr int kBlockM = 128, kBlockN = 32,  kNWarps = 8; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 128, kBlockNSmallGrid = 32; };
+template <> struct FwdConfig<256> { static constexpr int kBlockM = 64,  kBlockN = 32,  kNWarps = 4; static constexpr bool kQInRegs = false; static constexpr int kBlockMSmallGrid = 64,  kBlockNSmallGrid = 32; };
 
 }  // namespace flashcore::sm80

@@ -25,14 +25,15 @@
 
 namespace flashcore::sm80 {
 
-// kBlockM_: the configured rows, or FwdConfig::kBlockMSmallGrid for grids that would not fill the GPU.
-template <int kHeadDim_, typename Element_, int kBlockM_ = FwdConfig<kHeadDim_>::kBlockM>
+// kBlockM_ x kBlockN_: the configured tile, or FwdConfig's small-grid tile for grids that would not fill the GPU.
+template <int kHeadDim_, typename Element_, int kBlockM_ = FwdConfig<kHeadDim_>::kBlockM,
+          int kBlockN_ = FwdConfig<kHeadDim_>::kBlockN>
 struct FwdKernelTraits {
   using Element = Element_;
   using Config = FwdConfig<kHeadDim_>;
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = kBlockM_;
-  static constexpr int kBlockN = Config::kBlockN;
+  static constexpr int kBlockN = kBlockN_;
   static constexpr int kNWarps = Config::kNWarps;
   static constexpr bool kQInRegs = Config::kQInRegs;
   static constexpr int kNThreads = kNWarps * 32;
@@ -46,6 +47,7 @@ struct FwdKernelTraits {
   using QTile = SmemTile<kBlockM, kHeadDim>;
   using KVTile = SmemTile<kBlockN, kHeadDim>;
   static constexpr int kSmemBytes = (QTile::kElems + 4 * KVTile::kElems) * (int)sizeof(Element);
+  static_assert(kSmemBytes <= 96 * 1024, "one binary for sm_80..sm_90: sm_86/sm_89 give a block 99 KiB");
   // Two blocks a multiprocessor where registers allow (128 threads); one for 8 warps.
   static constexpr int kMinBlocksPerSm = kNThreads <= 128 ? 2 : 1;
 };

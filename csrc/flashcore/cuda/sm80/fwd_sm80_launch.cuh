@@ -15,9 +15,9 @@
 
 namespace flashcore::sm80 {
 
-template <int kHeadDim, typename Element, int kBlockM>
-void launch_fwd_rows(const FwdParams& p, cudaStream_t stream) {
-  using Traits = FwdKernelTraits<kHeadDim, Element, kBlockM>;
+template <int kHeadDim, typename Element, int kBlockM, int kBlockN>
+void launch_fwd_tile(const FwdParams& p, cudaStream_t stream) {
+  using Traits = FwdKernelTraits<kHeadDim, Element, kBlockM, kBlockN>;
   auto kernel = &fwd_sm80_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
 
@@ -30,18 +30,18 @@ void launch_fwd_rows(const FwdParams& p, cudaStream_t stream) {
   cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, 1, p, num_m_blocks);
 }
 
-// A grid of kBlockM-row blocks that leaves multiprocessors idle runs the kBlockMSmallGrid-row variant instead.
+// A grid of kBlockM-row blocks that leaves multiprocessors idle runs the small-grid tile instead.
 template <int kHeadDim, typename Element>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Config = FwdConfig<kHeadDim>;
-  if constexpr (Config::kBlockMSmallGrid != Config::kBlockM) {
+  if constexpr (Config::kBlockMSmallGrid != Config::kBlockM || Config::kBlockNSmallGrid != Config::kBlockN) {
     const int64_t blocks = (p.seqlen_q + Config::kBlockM - 1) / Config::kBlockM * p.batch * p.heads_q;
     if (blocks < at::cuda::getCurrentDeviceProperties()->multiProcessorCount) {
-      launch_fwd_rows<kHeadDim, Element, Config::kBlockMSmallGrid>(p, stream);
+      launch_fwd_tile<kHeadDim, Element, Config::kBlockMSmallGrid, Config::kBlockNSmallGrid>(p, stream);
       return;
     }
   }
-  launch_fwd_rows<kHeadDim, Element, Config::kBlockM>(p, stream);
+  launch_fwd_tile<kHeadDim, Element, Config::kBlockM, Config::kBlockN>(p, stream);
 }
 
 }  // namespace flashcore::sm80
