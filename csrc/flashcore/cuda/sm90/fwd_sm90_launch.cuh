@@ -29,6 +29,16 @@ namespace flashcore::sm90 {
 // read per call like the other switches, so benchmarks and tests can compare.
 constexpr double kSplitFixedTiles = 1.0, kSplitPerRankTiles = 0.5, kSplitFullGpuTiles = 1.5;
 
+// Key tiles of block_n keys in a tile's longest walk: the last query block's under a causal mask.
+inline int64_t longest_walk_tiles(const FwdParams& p, int block_n) {
+  int64_t keys = p.seqlen_k;
+  if (p.causal) {
+    const int64_t visible = p.seqlen_q + p.causal_offset;
+    keys = visible < keys ? (visible > 0 ? visible : 0) : keys;
+  }
+  return (keys + block_n - 1) / block_n;
+}
+
 template <typename Traits, typename MaxClusters>
 int pick_key_splits(const FwdParams& p, int64_t num_tiles, int num_sms, MaxClusters&& max_clusters) {
   int cap = Traits::kMaxKeySplits;
@@ -37,12 +47,7 @@ int pick_key_splits(const FwdParams& p, int64_t num_tiles, int num_sms, MaxClust
     TORCH_CHECK(n >= 1, "flashcore: FLASHCORE_KEY_SPLITS must be a positive integer, got '", env, "'");
     cap = n < cap ? n : cap;
   }
-  int64_t keys = p.seqlen_k;  // of the longest walk: the last query block's under a causal mask
-  if (p.causal) {
-    const int64_t visible = p.seqlen_q + p.causal_offset;
-    keys = visible < keys ? (visible > 0 ? visible : 0) : keys;
-  }
-  const int64_t key_tiles = (keys + Traits::kBlockN - 1) / Traits::kBlockN;
+  const int64_t key_tiles = longest_walk_tiles(p, Traits::kBlockN);
   int best = 1;
   double best_saving = 0.0;
   for (int s = 2; s <= cap; ++s) {
@@ -56,13 +61,22 @@ int pick_key_splits(const FwdParams& p, int64_t num_tiles, int num_sms, MaxClust
   return best;
 }
 
+// The Traits kernel, its dynamic shared memory opted in on the current device: before a launch and before an
+// occupancy query (without it, cudaOccupancyMaxActiveClusters fails, which pick_key_splits reads as "no split").
 template <typename Traits>
-void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
-  using Element = typename Traits::Element;
+auto configured_fwd_kernel() {
   auto kernel = &fwd_sm90_kernel<Traits>;
-  constexpr int kSmem = Traits::kSmemBytes;
   static std::atomic<uint64_t> configured_devices{0};
-  cuda::set_max_dynamic_smem_once(kernel, kSmem, configured_devices);
+  cuda::set_max_dynamic_smem_once(kernel, Traits::kSmemBytes, configured_devices);
+  return kernel;
+}
+
+// Launches the Traits kernel over the tiles of p, in clusters of `splits` blocks a tile (1: no key split).
+template <typename Traits>
+void launch_fwd_grid(const FwdParams& p, int num_sms, cudaStream_t stream, int splits) {
+  using Element = typename Traits::Element;
+  auto kernel = configured_fwd_kernel<Traits>();
+  constexpr int kSmem = Traits::kSmemBytes;
 
   constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
   const CUtensorMap tm_q = make_tensor_map_bhsd(p.q, p.q_stride, p.batch, p.heads_q, p.seqlen_q, p.head_dim,
@@ -88,17 +102,34 @@ void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
   //    build where the loop also made head dim 256 spill; that head dim is now built without it).
   const bool persistent =
       Traits::kPersistent && !p.causal && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
-  int splits = 1;
-  if constexpr (Traits::kSplitKeys) {
-    static cuda::ClusterOccupancy occupancy;
-    splits = pick_key_splits<Traits>(p, num_tiles, num_sms, [&](int s) {
-      return cuda::max_active_clusters(kernel, dim3(Traits::kNThreads), kSmem, (unsigned)s, occupancy);
-    });
-  }
   const int64_t grid = (persistent && num_tiles > num_sms) ? num_sms : num_tiles * splits;
   static cuda::PdlSupport pdl;
   cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, (unsigned)splits, p,
                       tm_q, tm_k, tm_v, tm_o, num_m_blocks, (int)num_tiles);
+}
+
+// One-warpgroup grids: the key split (pick_key_splits) is chosen for the full kernel; an unsplit grid whose walks
+// are shorter than the two-buffer loop's threshold runs the compact variant (FwdSm90Traits::kCompact).
+template <typename Traits>
+void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
+  if constexpr (Traits::kSplitKeys) {
+    using Element = typename Traits::Element;
+    constexpr int kSmem = Traits::kSmemBytes;
+    static cuda::ClusterOccupancy occupancy;
+    const int64_t num_tiles = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM * p.batch * p.heads_q;
+    auto kernel = configured_fwd_kernel<Traits>();
+    const int splits = pick_key_splits<Traits>(p, num_tiles, num_sms, [&](int s) {
+      return cuda::max_active_clusters(kernel, dim3(Traits::kNThreads), kSmem, (unsigned)s, occupancy);
+    });
+    if (splits == 1 && longest_walk_tiles(p, Traits::kBlockN) < Traits::kDeepMinTiles) {
+      using Compact = FwdSm90Traits<Traits::kHeadDim, Element, 1, Traits::kBlockN, true>;
+      launch_fwd_grid<Compact>(p, num_sms, stream, 1);
+      return;
+    }
+    launch_fwd_grid<Traits>(p, num_sms, stream, splits);
+  } else {
+    launch_fwd_grid<Traits>(p, num_sms, stream, 1);
+  }
 }
 
 // A block's time per K/V tile grows with its query rows: its warpgroups share one SM's tensor cores and SFU

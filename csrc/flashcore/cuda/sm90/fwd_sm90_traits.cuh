@@ -12,8 +12,12 @@ namespace flashcore::sm90 {
 // kWarpgroups_ (consumer warpgroups, 64 query rows each) defaults to the configured width; the launcher also
 // instantiates a one-warpgroup variant for grids too small to fill the GPU (fwd_sm90_launch.cuh). kBlockN_
 // (keys per tile) defaults to the causal width; the launcher takes kBlockNNonCausal for unmasked calls.
+// kCompact_ (one-warpgroup blocks only) leaves out the two-buffer key loop and the key-split code, for unsplit grids
+// whose walks are shorter than kDeepMinTiles: such a block runs its code once, cold, and every jump over code it
+// does not use costs instruction-cache misses (ncu, 1x8x512x64: ~15 % of the stall samples were instruction fetch
+// in the epilogue, which sat behind both; docs/PERFORMANCE.md).
 template <int kHeadDim_, typename Element_, int kWarpgroups_ = FwdSm90Config<kHeadDim_>::kWarpgroups,
-          int kBlockN_ = FwdSm90Config<kHeadDim_>::kBlockN>
+          int kBlockN_ = FwdSm90Config<kHeadDim_>::kBlockN, bool kCompact_ = false>
 struct FwdSm90Traits {
   using Element = Element_;
   using Config = FwdSm90Config<kHeadDim_>;
@@ -28,6 +32,8 @@ struct FwdSm90Traits {
   static_assert(kWarpgroups >= 1 && kWarpgroups <= Config::kWarpgroups, "more consumers than configured");
   static constexpr int kBlockM = 64 * kWarpgroups;
   static constexpr int kBlockN = kBlockN_;
+  static constexpr bool kCompact = kCompact_;
+  static_assert(!kCompact || kWarpgroups == 1, "compact variants are one-warpgroup blocks");
   static_assert(kBlockN % 16 == 0, "P V takes k16 steps over a tile's keys");
   static constexpr int kStages = Config::kStages;
   static constexpr int kConsumerThreads = 128 * kWarpgroups;
@@ -59,13 +65,13 @@ struct FwdSm90Traits {
   // fills the tensor cores during its softmax), so the next tile's S is computed during this tile's softmax; the
   // second buffer must fit beside O and P (head dim 64: 2 x 64 + 32 + 32 of 248 registers).
   static constexpr int kScoreBuffers =
-      (kWarpgroups == 1 && 2 * (kBlockN / 2) + kBlockN / 4 + kHeadDim / 2 <= 192) ? 2 : 1;
+      (kWarpgroups == 1 && !kCompact && 2 * (kBlockN / 2) + kBlockN / 4 + kHeadDim / 2 <= 192) ? 2 : 1;
   static constexpr int kDeepMinTiles = 16;  // key tiles from which a block takes the two-buffer loop (consumer)
   // Key splits (one-warpgroup blocks only, whose grids leave SMs idle): a cluster of up to kMaxKeySplits blocks
   // shares one query tile, each walking a slice of its key tiles; every block but rank 0 sends its normalized O
   // and LSE (kSplitVecs float4 a thread) into rank 0's K/V ring, free once rank 0's key walk is done, and rank 0
   // merges them (fwd_sm90_split.cuh). The ring bounds the splits.
-  static constexpr bool kSplitKeys = kWarpgroups == 1;
+  static constexpr bool kSplitKeys = kWarpgroups == 1 && !kCompact;
   static constexpr int kSplitVecs = (kHeadDim / 2 + 2 + 3) / 4;  // O fragment + 2 row LSEs, in float4s
   static constexpr uint32_t kPartialBytes = kSplitVecs * 128 * 16;
   static constexpr int kMaxKeySplitsRing = 1 + (int)(2 * kStages * (kBlockN * kTileCols * 2) / kPartialBytes);
