@@ -77,6 +77,9 @@ void launch_fwd_grid(const FwdParams& p, int num_sms, cudaStream_t stream, int s
   using Element = typename Traits::Element;
   auto kernel = configured_fwd_kernel<Traits>();
   constexpr int kSmem = Traits::kSmemBytes;
+  // Ranks past kMaxKeySplits would write their partial results beyond rank 0's K/V ring.
+  TORCH_CHECK(splits >= 1 && splits <= Traits::kMaxKeySplits, "flashcore: internal error: ", splits,
+              " key splits for a kernel built for at most ", Traits::kMaxKeySplits);
 
   constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
   const CUtensorMap tm_q = make_tensor_map_bhsd(p.q, p.q_stride, p.batch, p.heads_q, p.seqlen_q, p.head_dim,

@@ -72,6 +72,8 @@ struct FwdSm90Traits {
   // and LSE (kSplitVecs float4 a thread) into rank 0's K/V ring, free once rank 0's key walk is done, and rank 0
   // merges them (fwd_sm90_split.cuh). The ring bounds the splits.
   static constexpr bool kSplitKeys = kWarpgroups == 1 && !kCompact;
+  // The split protocol has one phase per barrier and no ring use after the merge: one tile per block.
+  static_assert(!(kSplitKeys && kPersistent), "key splits need one tile per block");
   static constexpr int kSplitVecs = (kHeadDim / 2 + 2 + 3) / 4;  // O fragment + 2 row LSEs, in float4s
   static constexpr uint32_t kPartialBytes = kSplitVecs * 128 * 16;
   static constexpr int kMaxKeySplitsRing = 1 + (int)(2 * kStages * (kBlockN * kTileCols * 2) / kPartialBytes);
