@@ -7,9 +7,9 @@ its ratio to a reference backend measured in the same process, median over the r
         --shape 4,16,16,8192,8192,128,bf16,0 --modes fwd --backends flashcore,sdpa-cudnn --no-graph
 
 A build may carry environment settings for its runs, `path.so@NAME=VALUE[,NAME=VALUE]`, so that switches read per
-call (FLASHCORE_KEY_SPLITS, FLASHCORE_KEY_GROUPS, ...) can be compared within one build:
+call (FLASHCORE_KEY_SPLITS, FLASHCORE_FORCE_KERNEL, ...) can be compared within one build:
 
-    python benchmarks/ab_builds.py fc.so@FLASHCORE_KEY_GROUPS=1 fc.so --graph -- --shapes small --modes fwd
+    python benchmarks/ab_builds.py fc.so@FLASHCORE_KEY_SPLITS=1 fc.so --graph -- --shapes small --modes fwd
 
 Build the variants first (e.g. `git apply docs/experiments/X.patch`, a dev build, `strip --strip-debug` the
 `.so` to a new name); docs/experiments/README.md lists the prepared ones. The installed `.so` is restored at the
