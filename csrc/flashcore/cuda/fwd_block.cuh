@@ -95,6 +95,39 @@ __device__ __forceinline__ void stage_output(const float (&o)[kMTiles][kDTiles][
   }
 }
 
+// The two halves of stage_output, for an epilogue that writes the LSE at another point than it stages O.
+template <typename QTile, int kMTiles, int kDTiles, typename Element>
+__device__ __forceinline__ void stage_output_tile(const float (&o)[kMTiles][kDTiles][4], Element* sQ,
+                                                  int warp_row0, int lane) {
+  const int frag_col = 2 * (lane & 3);
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + mi * 16 + (lane >> 2) + half * 8;
+#pragma unroll
+      for (int di = 0; di < kDTiles; ++di) {
+        const uint32_t packed = sm80::pack2<Element>(o[mi][di][2 * half], o[mi][di][2 * half + 1]);
+        *reinterpret_cast<uint32_t*>(sQ + QTile::elem_offset(row, di * 8 + frag_col)) = packed;
+      }
+    }
+  }
+}
+
+template <int kMTiles, typename Element>
+__device__ __forceinline__ void write_lse(const float (&lse)[2 * kMTiles], const FwdBlock<Element>& blk,
+                                          const FwdParams& p, int warp_row0, int lane) {
+  if ((lane & 3) != 0) return;
+#pragma unroll
+  for (int mi = 0; mi < kMTiles; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int q_row = blk.m0 + warp_row0 + mi * 16 + (lane >> 2) + half * 8;
+      if (q_row < p.seqlen_q) p.lse[blk.bh * p.seqlen_q + q_row] = lse[2 * mi + half];
+    }
+  }
+}
+
 // stage_output, then the tile to global memory with 16-byte stores by threads [0, kNThreads); `sync`
 // synchronizes exactly them (__syncthreads by default, a named barrier when a block also holds threads that do
 // not).

@@ -267,7 +267,13 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     if (threadIdx.x == 0) ptx::bulk_wait_group_read<0>();
   }
   ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
-  cuda::stage_output<typename Traits::QTile>(o, lse, smem.o, blk, p, warp_row0, lane);
+  // The compact variant writes its LSE after the proxy fence below (a MEMBAR.ALL.CTA in SASS, which would wait
+  // for these global stores) and the TMA store's issue; the others here, where their registers allow (head dim
+  // 256's one-warpgroup variant spilled 196 B with the LSE held past the staging).
+  if constexpr (Traits::kCompact)
+    cuda::stage_output_tile<typename Traits::QTile>(o, smem.o, warp_row0, lane);
+  else
+    cuda::stage_output<typename Traits::QTile>(o, lse, smem.o, blk, p, warp_row0, lane);
   // The staged O (generic-proxy writes) is made visible to TMA (async proxy) by each writer's fence and the
   // barrier; then one thread stores the tile, one 64-column box a span (rows past seqlen_q and columns past
   // head_dim are clipped by TMA). Without kSeparateO the Q/O buffer goes back to the producer's next Q load only
@@ -282,6 +288,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     ptx::bulk_commit_group();
     if constexpr (!Traits::kSeparateO) ptx::bulk_wait_group_read<0>();
   }
+  if constexpr (Traits::kCompact) cuda::write_lse<1>(lse, blk, p, warp_row0, lane);
   if constexpr (!Traits::kSeparateO) {
     __syncwarp();
     if (lane == 0) ptx::mbarrier_arrive(smem.q_empty);

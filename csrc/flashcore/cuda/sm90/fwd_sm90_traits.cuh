@@ -118,8 +118,14 @@ struct SharedStorage {
   uint64_t* split_go;    // kSplitKeys, ranks > 0: rank 0's ring is free for them
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* raw) {
+    // The compact variant derives its pointers from raw by pointer arithmetic, so they stay provably in shared
+    // memory and its epilogue stages O with STS; the integer round trip below makes them generic pointers (ST.E
+    // through the shared window, 64-bit address arithmetic per store). The other variants keep the round trip:
+    // with it their consumers fit in the registers they have (the full one-warpgroup kernel spilled 16 B without).
     unsigned char* base =
-        reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
+        Traits::kCompact
+            ? raw + ((1024u - (static_cast<uint32_t>(__cvta_generic_to_shared(raw)) & 1023u)) & 1023u)
+            : reinterpret_cast<unsigned char*>((reinterpret_cast<uintptr_t>(raw) + 1023) & ~uintptr_t{1023});
     q = reinterpret_cast<Element*>(base);
     k = reinterpret_cast<Element*>(base + Traits::kQBytes);
     v = reinterpret_cast<Element*>(base + Traits::kQBytes + Traits::kStages * Traits::kKVBytes);
