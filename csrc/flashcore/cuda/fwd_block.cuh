@@ -70,27 +70,41 @@ __device__ __forceinline__ bool tile_needs_mask(const FwdParams& p, int m0, int 
   return tile_end > p.seqlen_k || (p.causal && tile_end > (int64_t)m0 + p.causal_offset + 1);
 }
 
-// Stages this warp's normalized O fragments (C layout, kMTiles m16 tiles from block row warp_row0) in the shared
-// Q tile (its swizzled layout) and writes their LSE; the caller guarantees no thread still reads sQ.
+// One row of this warp's normalized O fragments (C layout: row `row` of the block, values `half` of each n8 tile of
+// m16 tile mi) into the shared Q tile (its swizzled layout), and that row's LSE: the pieces of the epilogues below.
+template <typename QTile, int kMTiles, int kDTiles, typename Element>
+__device__ __forceinline__ void stage_output_row(const float (&o)[kMTiles][kDTiles][4], Element* sQ, int mi, int half,
+                                                 int row, int lane) {
+  const int frag_col = 2 * (lane & 3);
+#pragma unroll
+  for (int di = 0; di < kDTiles; ++di) {
+    const uint32_t packed = sm80::pack2<Element>(o[mi][di][2 * half], o[mi][di][2 * half + 1]);
+    *reinterpret_cast<uint32_t*>(sQ + QTile::elem_offset(row, di * 8 + frag_col)) = packed;
+  }
+}
+
+template <typename Element>
+__device__ __forceinline__ void write_lse_row(float lse, const FwdBlock<Element>& blk, const FwdParams& p, int row,
+                                              int lane) {
+  if ((lane & 3) == 0) {
+    const int q_row = blk.m0 + row;
+    if (q_row < p.seqlen_q) p.lse[blk.bh * p.seqlen_q + q_row] = lse;
+  }
+}
+
+// Stages this warp's normalized O fragments (kMTiles m16 tiles from block row warp_row0) in the shared Q tile and
+// writes their LSE, row by row; the caller guarantees no thread still reads sQ.
 template <typename QTile, int kMTiles, int kDTiles, typename Element>
 __device__ __forceinline__ void stage_output(const float (&o)[kMTiles][kDTiles][4], const float (&lse)[2 * kMTiles],
                                              Element* sQ, const FwdBlock<Element>& blk, const FwdParams& p,
                                              int warp_row0, int lane) {
-  const int frag_col = 2 * (lane & 3);
 #pragma unroll
   for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp_row0 + mi * 16 + (lane >> 2) + half * 8;
-#pragma unroll
-      for (int di = 0; di < kDTiles; ++di) {
-        const uint32_t packed = sm80::pack2<Element>(o[mi][di][2 * half], o[mi][di][2 * half + 1]);
-        *reinterpret_cast<uint32_t*>(sQ + QTile::elem_offset(row, di * 8 + frag_col)) = packed;
-      }
-      if ((lane & 3) == 0) {
-        const int q_row = blk.m0 + row;
-        if (q_row < p.seqlen_q) p.lse[blk.bh * p.seqlen_q + q_row] = lse[2 * mi + half];
-      }
+      stage_output_row<QTile>(o, sQ, mi, half, row, lane);
+      write_lse_row(lse[2 * mi + half], blk, p, row, lane);
     }
   }
 }
@@ -99,33 +113,21 @@ __device__ __forceinline__ void stage_output(const float (&o)[kMTiles][kDTiles][
 template <typename QTile, int kMTiles, int kDTiles, typename Element>
 __device__ __forceinline__ void stage_output_tile(const float (&o)[kMTiles][kDTiles][4], Element* sQ,
                                                   int warp_row0, int lane) {
-  const int frag_col = 2 * (lane & 3);
 #pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi) {
+  for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int row = warp_row0 + mi * 16 + (lane >> 2) + half * 8;
-#pragma unroll
-      for (int di = 0; di < kDTiles; ++di) {
-        const uint32_t packed = sm80::pack2<Element>(o[mi][di][2 * half], o[mi][di][2 * half + 1]);
-        *reinterpret_cast<uint32_t*>(sQ + QTile::elem_offset(row, di * 8 + frag_col)) = packed;
-      }
-    }
-  }
+    for (int half = 0; half < 2; ++half)
+      stage_output_row<QTile>(o, sQ, mi, half, warp_row0 + mi * 16 + (lane >> 2) + half * 8, lane);
 }
 
 template <int kMTiles, typename Element>
 __device__ __forceinline__ void write_lse(const float (&lse)[2 * kMTiles], const FwdBlock<Element>& blk,
                                           const FwdParams& p, int warp_row0, int lane) {
-  if ((lane & 3) != 0) return;
 #pragma unroll
-  for (int mi = 0; mi < kMTiles; ++mi) {
+  for (int mi = 0; mi < kMTiles; ++mi)
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int q_row = blk.m0 + warp_row0 + mi * 16 + (lane >> 2) + half * 8;
-      if (q_row < p.seqlen_q) p.lse[blk.bh * p.seqlen_q + q_row] = lse[2 * mi + half];
-    }
-  }
+    for (int half = 0; half < 2; ++half)
+      write_lse_row(lse[2 * mi + half], blk, p, warp_row0 + mi * 16 + (lane >> 2) + half * 8, lane);
 }
 
 // stage_output, then the tile to global memory with 16-byte stores by threads [0, kNThreads); `sync`

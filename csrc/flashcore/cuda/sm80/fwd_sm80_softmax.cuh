@@ -22,7 +22,21 @@ __device__ __forceinline__ float quad_sum(float x) {
   return x + __shfl_xor_sync(0xffffffffu, x, 2);
 }
 
-template <int kMTiles, int kNTiles, int kDTiles>
+// Pairwise (tree) reduction of v[0..N) into v[0]: log2(N) dependent steps instead of a running chain's N / 2.
+template <int N, typename Op>
+__device__ __forceinline__ float tree_reduce(float (&v)[N], Op op) {
+#pragma unroll
+  for (int stride = 1; stride < N; stride *= 2)
+#pragma unroll
+    for (int i = 0; i + stride < N; i += 2 * stride) v[i] = op(v[i], v[i + stride]);
+  return v[0];
+}
+
+// kTreeReduce: the row max and sum of a tile as pairwise trees. The mma.sync kernel takes them: its warps wait out
+// each dependent FMNMX/FADD of a running chain (forced mma.sync 4x8x512x64 on the H100: 9.63 -> 9.53 us). The
+// Hopper consumer keeps the chains, which were faster there (5.28 -> 5.37 us with trees at 1x8x512x64;
+// docs/PERFORMANCE.md, tenth session).
+template <int kMTiles, int kNTiles, int kDTiles, bool kTreeReduce = false>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;  // rows held by this thread
   float row_max[kRows];
@@ -48,8 +62,18 @@ struct OnlineSoftmax {
       for (int half = 0; half < 2; ++half) {
         const int r = 2 * mi + half;
         float mx = -INFINITY;
+        float v[2 * kNTiles];  // kTreeReduce: the row's scores, then its probabilities
+        if constexpr (kTreeReduce) {
 #pragma unroll
-        for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
+          for (int ni = 0; ni < kNTiles; ++ni) {
+            v[2 * ni] = s[mi][ni][2 * half];
+            v[2 * ni + 1] = s[mi][ni][2 * half + 1];
+          }
+          mx = tree_reduce(v, [](float a, float b) { return fmaxf(a, b); });
+        } else {
+#pragma unroll
+          for (int ni = 0; ni < kNTiles; ++ni) mx = fmaxf(mx, fmaxf(s[mi][ni][2 * half], s[mi][ni][2 * half + 1]));
+        }
         mx = fmaxf(row_max[r], quad_max(mx) * scale);
         // A row that has seen only masked keys keeps max = -inf; subtracting 0 instead keeps exp2 at 0, not NaN.
         const float base = (mx == -INFINITY) ? 0.f : mx;
@@ -61,8 +85,14 @@ struct OnlineSoftmax {
         for (int ni = 0; ni < kNTiles; ++ni) {
           s[mi][ni][2 * half] = exp2f(fmaf(s[mi][ni][2 * half], scale, -base));
           s[mi][ni][2 * half + 1] = exp2f(fmaf(s[mi][ni][2 * half + 1], scale, -base));
-          sum += s[mi][ni][2 * half] + s[mi][ni][2 * half + 1];
+          if constexpr (kTreeReduce) {
+            v[2 * ni] = s[mi][ni][2 * half];
+            v[2 * ni + 1] = s[mi][ni][2 * half + 1];
+          } else {
+            sum += s[mi][ni][2 * half] + s[mi][ni][2 * half + 1];
+          }
         }
+        if constexpr (kTreeReduce) sum = tree_reduce(v, [](float a, float b) { return a + b; });
         row_sum[r] = row_sum[r] * correction[r] + sum;
       }
     }

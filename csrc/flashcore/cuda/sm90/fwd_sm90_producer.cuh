@@ -49,8 +49,9 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
                        row0, h_kv, b);
     // Compact blocks: V of key tile it (and the next tile's K) go out once this tile's K has landed. TMA
     // interleaves the boxes in flight (docs/experiments/tma_ingest.cu: the first box lands later the more there
-    // are), and a block whose whole walk (Q and 4-8 K/V tiles) was issued at once got its first K late; with at
-    // most two boxes in flight the first S starts earlier and each later tile still lands before it is needed.
+    // are), and a block that issued Q and a full ring of K/V tiles at once got its first K late; with at most two
+    // boxes in flight the first S starts earlier and each later tile still lands before it is needed (head dim 64,
+    // docs/PERFORMANCE.md, eleventh session).
     if constexpr (Traits::kCompact) ptx::mbarrier_wait(&smem.k_full[stage], (uint32_t)((use / Traits::kStages) & 1));
 
     if (reused) ptx::mbarrier_wait(&smem.v_empty[stage], parity);
