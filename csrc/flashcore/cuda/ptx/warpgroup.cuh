@@ -37,4 +37,19 @@ __device__ __forceinline__ void named_barrier_arrive(uint32_t id, uint32_t threa
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// Stores (a, b) to shared memory at smem_addr where pred holds (st.shared, PTX ISA 9.7.9.10), as a scheduling
+// anchor: ptxas keeps a later wgmma.wait_group (WARPGROUP.DEPBAR) behind this memory operation, and the store
+// behind the instructions that compute a and b. Without it ptxas hoists such a wait to the top of its basic
+// block, above independent work it was meant to follow (fwd_sm90_consumer.cuh: the softmax under a P V).
+__device__ __forceinline__ void store_before_wait(uint32_t smem_addr, float a, float b, bool pred) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "setp.ne.u32 p, %3, 0;\n"
+      "@p st.shared.v2.f32 [%0], {%1, %2};\n"
+      "}\n" ::"r"(smem_addr),
+      "f"(a), "f"(b), "r"((uint32_t)pred)
+      : "memory");
+}
+
 }  // namespace flashcore::ptx

@@ -32,10 +32,10 @@ __device__ __forceinline__ float tree_reduce(float (&v)[N], Op op) {
   return v[0];
 }
 
-// kTreeReduce: the row max and sum of a tile as pairwise trees. The mma.sync kernel takes them: its warps wait out
-// each dependent FMNMX/FADD of a running chain (forced mma.sync 4x8x512x64 on the H100: 9.63 -> 9.53 us). The
-// Hopper consumer keeps the chains, which were faster there (5.28 -> 5.37 us with trees at 1x8x512x64;
-// docs/PERFORMANCE.md, tenth session).
+// kTreeReduce: the row max and sum of a tile as pairwise trees. The mma.sync kernel's 128-key tiles take them: its
+// warps wait out each dependent FMNMX/FADD of a running chain (forced mma.sync 4x8x512x64 on the H100: 9.58 ->
+// 9.47 us). The Hopper consumer keeps the chains, which were faster there (5.28 -> 5.37 us with trees at
+// 1x8x512x64; docs/PERFORMANCE.md, tenth and twelfth sessions).
 template <int kMTiles, int kNTiles, int kDTiles, bool kTreeReduce = false>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;  // rows held by this thread

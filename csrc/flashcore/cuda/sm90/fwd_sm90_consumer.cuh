@@ -112,6 +112,19 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     }
   };
   auto pack_p = [&] { pack_from(s); };
+  // Waits until at most kPending wgmma groups are in flight (the P V of the previous tile has retired: o and pa
+  // are free), then rescales o. The row sums (which every exp2 of the softmax feeds) are first stored to this
+  // warp's scratch slot: ptxas hoisted the WARPGROUP.DEPBAR above the whole softmax otherwise (every variant up to
+  // eb27a69), and the softmax then waited for the P V it is meant to overlap (tests/test_sass.py checks the order).
+  const uint32_t order_slot = ptx::smem_addr(smem.order_slots + (threadIdx.x >> 5));
+  auto wait_pv_then_rescale = [&](auto pending_constant, const float(&correction)[2], bool moved) {
+    constexpr int kPending = decltype(pending_constant)::value;
+    ptx::store_before_wait(order_slot, softmax.row_sum[0], softmax.row_sum[1], lane == 0);
+    ptx::wgmma_wait<kPending>();
+    ptx::fence_operand(o_flat);
+    ptx::fence_operand(pa_flat);
+    softmax.rescale(o, correction, moved);
+  };
 
   auto full_parity = [&](int use) { return (uint32_t)((use / kStages) & 1); };
   // With a separate O buffer, each warp hands Q back once its last Q K^T has retired (the other GEMM, P V,
@@ -164,11 +177,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
         release_q();
       }
       const bool moved = softmax_on(n_last - it, correction, buf[cur]);
-      ptx::wgmma_wait<kMore ? 1 : 0>();
-      ptx::fence_operand(o_flat);
-      ptx::fence_operand(pa_flat);
+      wait_pv_then_rescale(std::integral_constant<int, kMore ? 1 : 0>{}, correction, moved);
       if (lane == 0) ptx::mbarrier_arrive(&smem.v_empty[prev]);
-      softmax.rescale(o, correction, moved);
       pack_from(buf[cur]);
     };
     using One = std::integral_constant<int, 1>;
@@ -234,11 +244,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
       if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[stage]);
       if (it == n_count - 1) release_q();
       const bool moved = softmax_step(n_last - it, correction);
-      ptx::wgmma_wait<0>();  // P V of tile it - 1 has retired: o and pa are free
-      ptx::fence_operand(o_flat);
-      ptx::fence_operand(pa_flat);
+      wait_pv_then_rescale(std::integral_constant<int, 0>{}, correction, moved);  // P V of tile it - 1
       if (lane == 0) ptx::mbarrier_arrive(&smem.v_empty[prev]);
-      softmax.rescale(o, correction, moved);
       pack_p();
     }
 

@@ -87,12 +87,15 @@ struct FwdSm90Traits {
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
   static_assert((kMaxKeySplits - 1) * kPartialBytes <= 2 * kStages * kKVBytes, "partial results overflow the ring");
   static constexpr int kBarriers = 2 + 4 * kStages + (kSplitKeys ? 2 : 0);
+  // After the mbarriers, one 8-byte slot per consumer warp that its lane 0 stores to only to order the warp's
+  // instructions (order_slots; one each, so no two threads write the same word).
+  static constexpr int kWords = kBarriers + kConsumerWarps;
   // The epilogue stages O in a buffer of its own where shared memory allows (all but the two-warpgroup variants
   // of head dim 256 and of the 176-key tiles; every variant a persistent grid runs has it): the consumers then
   // release Q as soon as their last Q K^T retires, and the next tile's Q loads while this tile finishes its last
   // P V and its epilogue. Otherwise O is staged in the Q buffer, which goes back to the producer only once TMA
   // has read O.
-  static constexpr int kBaseSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kBarriers;
+  static constexpr int kBaseSmemBytes = 1024 + kQBytes + 2 * kStages * kKVBytes + 8 * kWords;
   static constexpr bool kSeparateO = kBaseSmemBytes + (int)kQBytes <= 227 * 1024;
   static constexpr uint32_t kOBytes = kSeparateO ? kQBytes : 0;
   // Tiles are 1024-byte aligned (the swizzle atom); the slack covers aligning the dynamic shared memory base.
@@ -116,6 +119,7 @@ struct SharedStorage {
   uint64_t* v_empty;
   uint64_t* split_full;  // kSplitKeys, rank 0: the other ranks' partial results have landed (st.async bytes)
   uint64_t* split_go;    // kSplitKeys, ranks > 0: rank 0's ring is free for them
+  uint64_t* order_slots;  // one per consumer warp, written, never read: scheduling anchors (ptx::store_before_wait)
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* raw) {
     // The compact variant derives its pointers from raw by pointer arithmetic, so they stay provably in shared
@@ -140,6 +144,7 @@ struct SharedStorage {
     v_empty = k_empty + Traits::kStages;
     split_full = v_empty + Traits::kStages;
     split_go = split_full + 1;
+    order_slots = bars + Traits::kBarriers;
   }
   __device__ __forceinline__ Element* k_stage(int s) const { return k + s * Traits::KVTile::kElems; }
   __device__ __forceinline__ Element* v_stage(int s) const { return v + s * Traits::KVTile::kElems; }
