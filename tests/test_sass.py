@@ -34,11 +34,9 @@ def _cuobjdump() -> str | None:
 
 
 def _extension_path() -> str | None:
-    folder = os.path.dirname(flashcore.__file__)
-    for name in sorted(os.listdir(folder)):
-        if name.startswith("_C") and name.endswith(".so"):
-            return os.path.join(folder, name)
-    return None
+    """The extension flashcore loaded (not whichever `_C*.so` a directory listing finds first)."""
+    ext = getattr(flashcore, "_C", None)
+    return getattr(ext, "__file__", None)
 
 
 @functools.lru_cache(maxsize=1)
