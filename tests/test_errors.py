@@ -124,3 +124,16 @@ def test_cuda_unsupported_dtype_and_head_dim():
     q, k, v = _qkv(D=264, dtype=torch.float16, device="cuda")
     with pytest.raises(RuntimeError, match="head_dim 264"):
         flashcore.attention(q, k, v)
+
+
+@pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
+@pytest.mark.parametrize("scale", [0.0, -0.5], ids=["zero", "negative"])
+def test_cuda_rejects_nonpositive_scale(scale):
+    """The CUDA kernels mask raw scores and take their row max before scaling: a zero or negative scale would turn
+    hidden scores into NaN or +inf there, so it is refused with a clear error (the CPU path computes it)."""
+    q, k, v = _qkv(Sq=70, Sk=70, D=64, dtype=torch.float16, device="cuda")
+    with pytest.raises(RuntimeError, match="scale must be positive on CUDA"):
+        flashcore.attention(q, k, v, is_causal=True, scale=scale)
+    out, lse = torch.ops.flashcore.fwd(q, k, v, 0.125, True)
+    with pytest.raises(RuntimeError, match="scale must be positive on CUDA"):
+        torch.ops.flashcore.bwd(torch.ones_like(out), q, k, v, out, lse, scale, True)

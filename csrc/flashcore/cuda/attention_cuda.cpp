@@ -108,12 +108,20 @@ const cuda::FwdKernelEntry& find_kernel(const char* family, const at::Tensor& qu
   return *entry;
 }
 
+// The CUDA kernels take the row max of the raw scores and mask them before scaling, so a zero or negative scale
+// would give NaN or +inf for hidden scores (0 * -inf, -s * -inf); the CPU path takes any finite scale.
+void check_cuda_scale(double softmax_scale) {
+  TORCH_CHECK(softmax_scale > 0.0, "flashcore: scale must be positive on CUDA; got ", softmax_scale,
+              " (the CPU path and SDPA take a zero or negative scale)");
+}
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at::Tensor& key_in,
                                             const at::Tensor& value_in, double softmax_scale, bool is_causal,
                                             bool causal_bottom_right, int64_t window_left, int64_t window_right,
                                             double softcap, bool /*deterministic: only the backward's*/) {
   const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
   check_fwd_inputs(query_in, key_in, value_in, opts, kCudaLimits);
+  check_cuda_scale(softmax_scale);
   const c10::cuda::CUDAGuard guard(query_in.device());
   check_device(query_in);
   check_sizes(query_in, key_in);
@@ -181,6 +189,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
                                                         int64_t window_right, double softcap, bool deterministic) {
   const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
   check_bwd_inputs(grad_out, query, key, value, out, lse, opts, kCudaLimits);
+  check_cuda_scale(softmax_scale);
   const c10::cuda::CUDAGuard guard(query.device());
   at::Tensor grad_query = at::empty_like(query);
   at::Tensor grad_key = at::empty_like(key);

@@ -113,15 +113,23 @@ __device__ __forceinline__ void load_query_pairs(const float* values, int col0, 
 
 // P^T in place of S^T (kQTiles n8 tiles of this thread's accumulator rows, keys key_lo and key_lo + 8; query
 // columns col0 + 8 ni + 2t (+1) of the step, their lse in log2 units from load_query_pairs): masked entries -> 0.
-// The mask is applied first, on its own (S^T = -inf), so that an unmasked tile runs the exp2s alone: folded into
-// the exp2 loop, every element carried a branch and a 64-bit compare (SASS: FFMA, BRA, PLOP3, MUFU per element).
+// Scale, mask and exp2 are three passes: with the mask inside the exp2 loop, every element carried a branch and a
+// 64-bit compare (SASS: FFMA, BRA, PLOP3, MUFU per element) and the exp2s issued one at a time. The mask comes
+// after the scaling, so that a zero or negative scale cannot turn a hidden -inf into NaN or +inf.
 template <int kQTiles>
 __device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], const float2 (&lse_log2)[kQTiles],
                                                 const BwdParams& p, int m0, int col0, int key_lo, int seqlen_k,
                                                 bool needs_mask, int t) {
+#pragma unroll
+  for (int ni = 0; ni < kQTiles; ++ni) {
+    const float2 lse = lse_log2[ni];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s[4 * ni + e] = s[4 * ni + e] * p.scale_log2 - ((e & 1) ? lse.y : lse.x);
+  }
   if (needs_mask) {
-    // Key k is visible to queries q >= k - causal_offset (causal), and only if k < seqlen_k: one 32-bit bound
-    // per key row, clamped (k - causal_offset may leave the int range), then 32-bit compares.
+    // Key k is visible to queries q >= k - causal_offset (causal), and only if k < seqlen_k: one bound per key
+    // row, clamped to the int range (k - causal_offset may leave it; INT32_MAX stands for "no query"), then
+    // 32-bit compares.
     int first_query[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -135,17 +143,13 @@ __device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], const f
       const int query = m0 + col0 + ni * 8 + 2 * t;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        // INT32_MAX (key past the end) hides every query: a query index is below it.
-        if (query + (e & 1) < first_query[e >> 1] || first_query[e >> 1] == INT32_MAX) s[4 * ni + e] = -INFINITY;
+        const int bound = first_query[e >> 1];
+        if (bound == INT32_MAX || query + (e & 1) < bound) s[4 * ni + e] = -INFINITY;
       }
     }
   }
 #pragma unroll
-  for (int ni = 0; ni < kQTiles; ++ni) {
-    const float2 lse = lse_log2[ni];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) s[4 * ni + e] = exp2f(s[4 * ni + e] * p.scale_log2 - ((e & 1) ? lse.y : lse.x));
-  }
+  for (int i = 0; i < 4 * kQTiles; ++i) s[i] = exp2f(s[i]);
 }
 
 // dS^T = P^T * (dP^T - dsum[query]) in place of dP^T, for the same columns as probabilities_t.
