@@ -16,7 +16,7 @@ except ImportError as e:  # pragma: no cover - only when the extension was not b
         "`pip install -e . --no-build-isolation`. Original error: " + str(e)
     ) from e
 
-from .ops import attention, flash_attn_func, fwd_kernel_name  # noqa: E402
+from .ops import attention, bwd_kernel_name, flash_attn_func, fwd_kernel_name, last_kernel  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -30,4 +30,6 @@ def _has_cuda_kernels() -> bool:
     return torch._C._dispatch_has_kernel_for_dispatch_key("flashcore::fwd", "CUDA")
 
 
-__all__ = ["attention", "flash_attn_func", "fwd_kernel_name", "cuda_available"]
+__all__ = [
+    "attention", "flash_attn_func", "fwd_kernel_name", "bwd_kernel_name", "last_kernel", "cuda_available",
+]

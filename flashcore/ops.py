@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["attention", "flash_attn_func", "fwd_kernel_name"]
+__all__ = ["attention", "flash_attn_func", "fwd_kernel_name", "bwd_kernel_name", "last_kernel"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -143,3 +143,17 @@ def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False,
 def fwd_kernel_name(query, key, value, is_causal=False) -> str:
     """Which forward kernel family flashcore runs for these inputs ("cpu", "sm80", "sm90")."""
     return torch.ops.flashcore.fwd_kernel_name(query, key, value, bool(is_causal))
+
+
+def bwd_kernel_name(grad_out, query, key, value, deterministic=False) -> str:
+    """Which backward path flashcore runs for these inputs ("cpu", "sm80", "sm90", "composite")."""
+    return torch.ops.flashcore.bwd_kernel_name(grad_out, query, key, value, bool(deterministic))
+
+
+def last_kernel(pass_: str = "fwd") -> str:
+    """The kernel the last forward ("fwd") or backward ("bwd") call ran, process-wide, e.g. "sm90 hdim128 wg2",
+    "sm90 hdim64 wg1 splits3", "sm80 hdim64", "composite", "cpu" ("none" before any call or after an empty one).
+    For tests and benchmarks: it says which path really ran, after any fallback."""
+    from . import _C
+
+    return _C._last_kernel(pass_)

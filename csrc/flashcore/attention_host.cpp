@@ -1,5 +1,7 @@
 #include "attention_host.h"
 
+#include "switches.h"
+
 #include <ATen/ATen.h>
 
 #include <cmath>
@@ -113,12 +115,26 @@ void check_bwd_inputs(const at::Tensor& grad_out, const at::Tensor& query, const
   TORCH_CHECK(lse.is_contiguous(), "flashcore: lse must be contiguous");
 }
 
+void poison_if_enabled(std::initializer_list<at::Tensor> tensors) {
+  if (!poison_outputs()) return;
+  for (const at::Tensor& t : tensors)
+    if (t.defined() && t.numel() > 0) const_cast<at::Tensor&>(t).fill_(std::numeric_limits<double>::quiet_NaN());
+}
+
 std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& query) {
   // empty_like keeps query's strides when query is dense (so BSHD in gives BSHD out), else gives contiguous.
   // The fake (meta) implementation in flashcore/ops.py uses the same rule.
   at::Tensor out = at::empty_like(query);
   at::Tensor lse = at::empty({query.size(0), query.size(1), query.size(2)}, query.options().dtype(at::kFloat));
+  poison_if_enabled({out, lse});
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_bwd_outputs(const at::Tensor& query, const at::Tensor& key,
+                                                                 const at::Tensor& value) {
+  at::Tensor grad_query = at::empty_like(query), grad_key = at::empty_like(key), grad_value = at::empty_like(value);
+  poison_if_enabled({grad_query, grad_key, grad_value});
+  return {grad_query, grad_key, grad_value};
 }
 
 FwdParams make_fwd_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -146,8 +162,11 @@ FwdParams make_fwd_params(const at::Tensor& query, const at::Tensor& key, const 
   p.scale = static_cast<float>(opts.softmax_scale);
   p.scale_fp64 = opts.softmax_scale;
   p.scale_log2 = static_cast<float>(opts.softmax_scale * 1.4426950408889634);  // log2(e)
-  p.causal = opts.is_causal;
-  p.causal_offset = opts.causal_bottom_right ? p.seqlen_k - p.seqlen_q : 0;
+  p.mask.causal = opts.is_causal;
+  p.mask.bottom_right = opts.causal_bottom_right;
+  p.mask.window_left = opts.window_left;
+  p.mask.window_right = opts.window_right;
+  p.band = p.mask.band(p.seqlen_q, p.seqlen_k);
   return p;
 }
 
@@ -179,8 +198,9 @@ bool fwd_is_trivial(const FwdParams& p, at::Tensor& out, at::Tensor& lse) {
   return false;
 }
 
-bool bwd_is_trivial(const BwdParams& p, at::Tensor& grad_query, at::Tensor& grad_key, at::Tensor& grad_value) {
-  if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0 || p.seqlen_k == 0 || p.head_dim == 0) {
+bool bwd_is_trivial(const at::Tensor& query, const at::Tensor& key, at::Tensor& grad_query, at::Tensor& grad_key,
+                    at::Tensor& grad_value) {
+  if (query.numel() == 0 || key.numel() == 0) {
     grad_query.zero_();
     grad_key.zero_();
     grad_value.zero_();

@@ -5,6 +5,7 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <initializer_list>
 #include <tuple>
 
 #include "params.h"
@@ -40,7 +41,13 @@ void check_bwd_inputs(const at::Tensor& grad_out, const at::Tensor& query, const
                       const MaskOptions& opts, const BackendLimits& limits);
 
 // Allocates out (same layout as query when query is dense, else contiguous) and lse (B, Hq, Sq) float32.
+// Outputs and workspaces are poisoned (NaN) when FLASHCORE_POISON is set (switches.h), so that an element a kernel
+// fails to write shows in the tests.
 std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& query);
+// grad_query, grad_key, grad_value with the layouts of query, key, value (empty_like).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_bwd_outputs(const at::Tensor& query, const at::Tensor& key,
+                                                                 const at::Tensor& value);
+void poison_if_enabled(std::initializer_list<at::Tensor> tensors);
 
 // Fills the sizes, strides, pointers and mask fields. `out`/`lse` may be undefined (params left null).
 FwdParams make_fwd_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -55,6 +62,7 @@ BwdParams make_bwd_params(const at::Tensor& grad_out, const at::Tensor& query, c
 // an empty batch/head/query length leaves empty outputs; an empty key length gives out = 0 and lse = -inf
 // (softmax over an empty set, as SDPA's math path), and zero gradients.
 bool fwd_is_trivial(const FwdParams& p, at::Tensor& out, at::Tensor& lse);
-bool bwd_is_trivial(const BwdParams& p, at::Tensor& grad_query, at::Tensor& grad_key, at::Tensor& grad_value);
+bool bwd_is_trivial(const at::Tensor& query, const at::Tensor& key, at::Tensor& grad_query, at::Tensor& grad_key,
+                    at::Tensor& grad_value);
 
 }  // namespace flashcore

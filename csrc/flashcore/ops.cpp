@@ -11,11 +11,38 @@
 #include <Python.h>
 #include <torch/library.h>
 
+#include <cstring>
+#include <string>
+
+#include "kernel_trace.h"
+
+namespace {
+
+// _C._last_kernel("fwd" | "bwd") -> str: kernel_trace.h's record of the last call's kernel.
+PyObject* py_last_kernel(PyObject* /*self*/, PyObject* args) {
+  const char* pass = nullptr;
+  if (!PyArg_ParseTuple(args, "s", &pass)) return nullptr;
+  if (std::strcmp(pass, "fwd") != 0 && std::strcmp(pass, "bwd") != 0) {
+    PyErr_SetString(PyExc_ValueError, "flashcore: last_kernel takes 'fwd' or 'bwd'");
+    return nullptr;
+  }
+  const std::string s =
+      flashcore::last_kernel(std::strcmp(pass, "fwd") == 0 ? flashcore::Pass::kFwd : flashcore::Pass::kBwd);
+  return PyUnicode_FromString(s.c_str());
+}
+
+PyMethodDef methods[] = {
+    {"_last_kernel", py_last_kernel, METH_VARARGS, "The kernel the last fwd or bwd call ran."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
 extern "C" {
 // `import flashcore._C` loads this shared library, which runs the TORCH_LIBRARY registrations below. The module
-// itself is empty; it uses only the limited (abi3) Python API.
+// holds one introspection function; it uses only the limited (abi3) Python API.
 PyObject* PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   return PyModule_Create(&module_def);
 }
 }
@@ -37,4 +64,8 @@ TORCH_LIBRARY(flashcore, m) {
   // Name of the CUDA forward kernel family that fwd would run for these inputs on this device ("sm80", "sm90"),
   // for tests and benchmarks; respects FLASHCORE_FORCE_KERNEL.
   m.def("fwd_kernel_name(Tensor query, Tensor key, Tensor value, bool is_causal=False) -> str");
+  // The same for the backward path ("sm80", "sm90", "composite"; "cpu" on the CPU), given the call's grad_out and
+  // deterministic flag; respects FLASHCORE_FORCE_BWD.
+  m.def(
+      "bwd_kernel_name(Tensor grad_out, Tensor query, Tensor key, Tensor value, bool deterministic=False) -> str");
 }

@@ -9,11 +9,8 @@
 
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define FLASHCORE_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define FLASHCORE_HOST_DEVICE inline
-#endif
+#include "macros.h"
+#include "mask.h"
 
 namespace flashcore {
 
@@ -81,12 +78,12 @@ struct FwdParams {
   float scale_log2 = 1.f;  // scale * log2(e): kernels exponentiate with exp2
   double scale_fp64 = 1.0;  // the same scale unrounded, for float64 inputs (the gradcheck path)
 
-  // Causal masking: key j is visible from query i iff j <= i + causal_offset.
-  // SDPA's is_causal (top-left aligned) has offset 0; flash-attn's bottom-right alignment has seqlen_k - seqlen_q.
-  // A query row that sees no key (possible with bottom-right alignment when seqlen_q > seqlen_k) gets out = 0 and
-  // lse = -inf.
-  bool causal = false;
-  int64_t causal_offset = 0;
+  // Which keys each query sees (mask.h): the rule from the op's arguments, and its band for this call's lengths
+  // (mask.band(seqlen_q, seqlen_k), set with them by make_fwd_params). Kernels read the band from their
+  // parameters (constant memory: no registers held across their loops). A query row that sees no key gets
+  // out = 0 and lse = -inf.
+  MaskParams mask;
+  Band band;
 };
 
 struct BwdParams : FwdParams {

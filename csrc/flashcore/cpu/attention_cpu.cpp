@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "../attention_host.h"
+#include "../kernel_trace.h"
 #include "kernels_cpu.h"
 
 namespace flashcore {
@@ -19,7 +20,10 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& query, const at::Te
   check_fwd_inputs(query, key, value, opts, kCpuLimits);
   auto [out, lse] = alloc_fwd_outputs(query);
   const FwdParams p = make_fwd_params(query, key, value, out, lse, opts);
-  if (!fwd_is_trivial(p, out, lse)) cpu::fwd_kernel(p, query.scalar_type());
+  if (!fwd_is_trivial(p, out, lse)) {
+    record_kernel(Pass::kFwd, KernelTrace{"cpu"});
+    cpu::fwd_kernel(p, query.scalar_type());
+  }
   return {out, lse};
 }
 
@@ -31,16 +35,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_ou
                                                        int64_t window_right, double softcap, bool deterministic) {
   const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
   check_bwd_inputs(grad_out, query, key, value, out, lse, opts, kCpuLimits);
-  at::Tensor grad_query = at::empty_like(query);
-  at::Tensor grad_key = at::empty_like(key);
-  at::Tensor grad_value = at::empty_like(value);
+  auto [grad_query, grad_key, grad_value] = alloc_bwd_outputs(query, key, value);
+  if (bwd_is_trivial(query, key, grad_query, grad_key, grad_value)) return {grad_query, grad_key, grad_value};
   const BwdParams p = make_bwd_params(grad_out, query, key, value, out, lse, grad_query, grad_key, grad_value,
                                       opts, deterministic);
-  if (!bwd_is_trivial(p, grad_query, grad_key, grad_value)) cpu::bwd_kernel(p, query.scalar_type());
+  record_kernel(Pass::kBwd, KernelTrace{"cpu"});
+  cpu::bwd_kernel(p, query.scalar_type());
   return {grad_query, grad_key, grad_value};
 }
 
 std::string fwd_kernel_name_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) { return "cpu"; }
+std::string bwd_kernel_name_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
+  return "cpu";
+}
 
 }  // namespace
 
@@ -48,6 +55,7 @@ TORCH_LIBRARY_IMPL(flashcore, CPU, m) {
   m.impl("fwd", &fwd_cpu);
   m.impl("bwd", &bwd_cpu);
   m.impl("fwd_kernel_name", &fwd_kernel_name_cpu);
+  m.impl("bwd_kernel_name", &bwd_kernel_name_cpu);
 }
 
 }  // namespace flashcore

@@ -15,6 +15,7 @@
 #include <limits>
 #include <type_traits>
 
+#include "../attention_host.h"  // poison_if_enabled
 #include "kernels_cpu.h"
 #include "microkernel_cpu.h"
 
@@ -35,6 +36,7 @@ void recompute_lse(const BwdParams& p, T scale, T* lse) {
   const int64_t Dp = round_up(D, kPad);
   const int64_t ld = round_up(kKeyBlock, kPad);
   const int64_t q_blocks = (p.seqlen_q + kQueryBlock - 1) / kQueryBlock;
+  const Band& band = p.band;
   at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
     Scratch<T> scratch(Scratch<T>::total({kQueryBlock * Dp, D * ld, kQueryBlock * ld, 3 * kQueryBlock}));
     T* q_tile = scratch.take(kQueryBlock * Dp);
@@ -54,14 +56,13 @@ void recompute_lse(const BwdParams& p, T scale, T* lse) {
       Ops::pack_rows(q, p.q_stride.seq, rows, D, scale, q_tile, Dp, rows);
       std::fill(row_max, row_max + rows, -std::numeric_limits<T>::infinity());
       std::fill(row_sum, row_sum + rows, T(0));
-      int64_t key_end = p.seqlen_k;
-      if (p.causal) key_end = std::clamp<int64_t>(i0 + rows + p.causal_offset, 0, p.seqlen_k);
-      for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+      const IndexRange key_tiles = Band::tiles(band.keys_of_queries(i0, i0 + rows), kKeyBlock);
+      for (int64_t j0 = key_tiles.begin * kKeyBlock; j0 < key_tiles.end * kKeyBlock; j0 += kKeyBlock) {
         const int64_t keys = std::min(kKeyBlock, p.seqlen_k - j0);
         const int64_t cols = round_up(keys, kPad);
         Ops::pack_transposed(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, kt_tile, ld);
         Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ld, s_tile, ld);
-        const BlockMask mask{keys, p.causal, i0 + p.causal_offset - j0 + 1};
+        const BlockMask mask(band, i0, j0, keys);
         Ops::softmax_update(s_tile, ld, rows, cols, mask, row_max, row_sum, alpha);
       }
       for (int64_t r = 0; r < rows; ++r) {
@@ -88,10 +89,12 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
       std::clamp<int64_t>((kMinTasks + heads - 1) / heads, 1, std::min(key_blocks, chunk_cap));
   const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
   const T scale = std::is_same_v<T, double> ? static_cast<T>(p.scale_fp64) : static_cast<T>(p.scale);
+  const Band& band = p.band;
 
   // delta_i = dO_i . O_i, and lse with "+inf" for rows that saw no key (P = exp(s - inf) = 0 there).
   const int64_t rows_total = p.batch * p.heads_q * p.seqlen_q;
   at::Tensor row_stats = at::empty({2, rows_total}, at::TensorOptions().dtype(acc_dtype));
+  poison_if_enabled({row_stats});  // written whole below
   T* delta = row_stats.data_ptr<T>();
   T* lse = delta + rows_total;
   at::parallel_for(0, p.batch * p.heads_q, 1, [&](int64_t begin, int64_t end) {
@@ -153,21 +156,21 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
         std::fill(dk_acc, dk_acc + keys * Dp, T(0));
         std::fill(dv_acc, dv_acc + keys * Dp, T(0));
 
-        // Causal: query i sees key j iff j <= i + causal_offset, so queries before j0 - causal_offset see none
-        // of this block.
-        const int64_t first_query = p.causal ? std::max<int64_t>(0, j0 - p.causal_offset) : 0;
+        // Query blocks that see no key of this block (the mask's band) are skipped.
+        const IndexRange query_tiles = Band::tiles(band.queries_of_keys(j0, j0 + keys, p.seqlen_q), kQueryBlock);
         for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
           const int64_t bh = b * p.heads_q + h;
           const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
           const S* dout = static_cast<const S*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
-          for (int64_t i0 = first_query / kQueryBlock * kQueryBlock; i0 < p.seqlen_q; i0 += kQueryBlock) {
+          for (int64_t i0 = query_tiles.begin * kQueryBlock; i0 < query_tiles.end * kQueryBlock;
+               i0 += kQueryBlock) {
             const int64_t rows = std::min(kQueryBlock, p.seqlen_q - i0);
             Ops::pack_rows(q + i0 * p.q_stride.seq, p.q_stride.seq, rows, D, scale, q_tile, Dp, rows);
             Ops::pack_rows(dout + i0 * p.dout_stride.seq, p.dout_stride.seq, rows, D, T(1), do_tile, Dp, rows);
 
             Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ld, s_tile, ld);
             Ops::template gemm<GemmMode::kStore>(rows, cols, D, do_tile, Dp, 1, vt_tile, ld, dp_tile, ld);
-            const BlockMask mask{keys, p.causal, i0 + p.causal_offset - j0 + 1};
+            const BlockMask mask(band, i0, j0, keys);
             Ops::softmax_grad(s_tile, dp_tile, ld, rows, cols, mask, lse + bh * p.seqlen_q + i0,
                               delta + bh * p.seqlen_q + i0);
 
@@ -184,7 +187,7 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
         Ops::store_rows(dv_acc, Dp, keys, D, static_cast<const T*>(nullptr), T(1), dv + j0 * p.dv_stride.seq,
                         p.dv_stride.seq);
       }
-      // A causal key block that no query sees still writes zeros above, so every dK/dV row is defined.
+      // A key block that no query sees still writes zeros above, so every dK/dV row is defined.
     }
   });
 

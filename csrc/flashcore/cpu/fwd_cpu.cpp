@@ -32,6 +32,7 @@ void fwd_impl(const FwdParams& p) {
   const int64_t tasks = p.batch * p.heads_q * q_blocks;
   const T scale = std::is_same_v<T, double> ? static_cast<T>(p.scale_fp64) : static_cast<T>(p.scale);
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
+  const Band& band = p.band;
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Scratch<T> scratch(Scratch<T>::total(
@@ -65,19 +66,17 @@ void fwd_impl(const FwdParams& p) {
       std::fill(row_max, row_max + rows, kNegInf);
       std::fill(row_sum, row_sum + rows, T(0));
 
-      // Causal: the last query of this block sees keys up to i0 + rows - 1 + causal_offset; later blocks are
-      // skipped entirely.
-      int64_t key_end = p.seqlen_k;
-      if (p.causal) key_end = std::clamp<int64_t>(i0 + rows + p.causal_offset, 0, p.seqlen_k);
+      // Key blocks that no query of this block sees (the mask's band) are skipped entirely.
+      const IndexRange key_tiles = Band::tiles(band.keys_of_queries(i0, i0 + rows), kKeyBlock);
 
-      for (int64_t j0 = 0; j0 < key_end; j0 += kKeyBlock) {
+      for (int64_t j0 = key_tiles.begin * kKeyBlock; j0 < key_tiles.end * kKeyBlock; j0 += kKeyBlock) {
         const int64_t keys = std::min(kKeyBlock, p.seqlen_k - j0);
         const int64_t cols = round_up(keys, kPad);
         Ops::pack_transposed(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, kt_tile, ldk);
         Ops::pack_rows(v + j0 * p.v_stride.seq, p.v_stride.seq, keys, D, T(1), v_tile, Dp, keys);
 
         Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ldk, s_tile, ldk);
-        const BlockMask mask{keys, p.causal, i0 + p.causal_offset - j0 + 1};
+        const BlockMask mask(band, i0, j0, keys);
         Ops::softmax_update(s_tile, ldk, rows, cols, mask, row_max, row_sum, alpha);
         Ops::template gemm<GemmMode::kScaleAccumulate>(rows, Dp, keys, s_tile, ldk, 1, v_tile, Dp, o_acc, Dp,
                                                       alpha);

@@ -36,6 +36,9 @@
 #include <memory>
 #include <new>
 
+#include "../mask.h"
+#include "../switches.h"
+
 #if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__)
 #define FLASHCORE_CPU_HAVE_AVX2 1
 #else
@@ -59,14 +62,16 @@ enum class GemmMode {
   kScaleAccumulate,  // C = diag(row_scale) C + A B (the online-softmax rescale of the output accumulator)
 };
 
-// Which scores of a query-major block (rows: queries i0 + r, columns: keys j0 + c) are visible: columns
-// [0, end(r)). Keys at or past `valid` are padding; causal: key j visible from query i iff j <= i + causal_offset,
-// i.e. c < diag + r with diag = i0 + causal_offset - j0 + 1.
+// Which scores of a query-major block (rows: queries i0 + r, columns: keys j0 + c, c < valid) are visible:
+// columns [begin(r), end(r)), from the mask's band (mask.h): key j is visible from query i iff lo <= j - i <= hi.
 struct BlockMask {
-  int64_t valid;
-  bool causal;
-  int64_t diag;
-  int64_t end(int64_t r) const { return causal ? std::clamp<int64_t>(diag + r, 0, valid) : valid; }
+  int64_t valid;  // keys of the block (columns past it are padding)
+  int64_t lo, hi;  // the band relative to the block: c - r in [lo, hi] (band.lo + i0 - j0, band.hi + i0 - j0)
+
+  BlockMask(const Band& band, int64_t i0, int64_t j0, int64_t keys)
+      : valid(keys), lo(band.lo + i0 - j0), hi(band.hi + i0 - j0) {}
+  int64_t begin(int64_t r) const { return std::clamp<int64_t>(r + lo, 0, valid); }
+  int64_t end(int64_t r) const { return std::clamp<int64_t>(r + hi + 1, 0, valid); }
 };
 
 // One heap allocation per thread chunk, 64-byte aligned, carved into named blocks of the tile workspaces.
@@ -101,8 +106,7 @@ class Scratch {
 inline bool use_avx2_fma() {
 #if FLASHCORE_CPU_HAVE_AVX2
   static const bool yes = [] {
-    const char* force = std::getenv("FLASHCORE_CPU_ISA");
-    if (force != nullptr && std::strcmp(force, "portable") == 0) return false;
+    if (cpu_isa_forced_portable()) return false;
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }();
@@ -175,12 +179,13 @@ inline typename Vec<T>::V vbroadcast(T x) {
   return x - typename Vec<T>::V{};
 }
 
-// Lanes c, c+1, ... of a row that lie before column `end`.
+// Lanes c, c+1, ... of a row that lie in columns [begin, end).
 template <typename T>
-inline typename Vec<T>::Mask lanes_before(int64_t c, int64_t end) {
+inline typename Vec<T>::Mask lanes_within(int64_t c, int64_t begin, int64_t end) {
   using Mask = typename Vec<T>::Mask;
   using Index = typename Vec<T>::Index;
-  return (Vec<T>::iota() + static_cast<Index>(c)) < (Mask{} + static_cast<Index>(end));
+  const Mask col = Vec<T>::iota() + static_cast<Index>(c);
+  return (col >= (Mask{} + static_cast<Index>(begin))) & (col < (Mask{} + static_cast<Index>(end)));
 }
 
 template <typename T>
@@ -357,16 +362,16 @@ struct BlockOps {
     constexpr T kNegInf = -std::numeric_limits<T>::infinity();
     for (int64_t r = 0; r < rows; ++r) {
       T* x = s + r * lds;
-      const int64_t end = mask.end(r);
-      if (end == 0) {
+      const int64_t begin = mask.begin(r), end = mask.end(r);
+      if (end <= begin) {
         std::fill(x, x + cols_pad, T(0));
         alpha[r] = T(1);
         continue;
       }
       V vmax = vbroadcast(kNegInf);
-      for (int64_t c = 0; c < end; c += L) {
+      for (int64_t c = begin / L * L; c < end; c += L) {
         const V v = vload(x + c);
-        const V visible = lanes_before<T>(c, end) ? v : vbroadcast(kNegInf);
+        const V visible = lanes_within<T>(c, begin, end) ? v : vbroadcast(kNegInf);
         vmax = visible > vmax ? visible : vmax;
       }
       const T m_new = std::max(row_max[r], hmax<T>(vmax));
@@ -375,7 +380,7 @@ struct BlockOps {
       V vsum{};
       for (int64_t c = 0; c < cols_pad; c += L) {
         const V p = vexp(vload(x + c) - vm);
-        const V visible = lanes_before<T>(c, end) ? p : V{};
+        const V visible = lanes_within<T>(c, begin, end) ? p : V{};
         vstore(x + c, visible);
         vsum += visible;
       }
@@ -394,12 +399,12 @@ struct BlockOps {
     for (int64_t r = 0; r < rows; ++r) {
       T* x = s + r * ld;
       T* g = dp + r * ld;
-      const int64_t end = mask.end(r);
+      const int64_t begin = mask.begin(r), end = mask.end(r);
       const V vlse = vbroadcast(lse[r]);
       const V vdelta = vbroadcast(delta[r]);
       for (int64_t c = 0; c < cols_pad; c += L) {
         const V p0 = vexp(vload(x + c) - vlse);
-        const V p = lanes_before<T>(c, end) ? p0 : V{};
+        const V p = lanes_within<T>(c, begin, end) ? p0 : V{};
         vstore(x + c, p);
         vstore(g + c, p * (vload(g + c) - vdelta));
       }

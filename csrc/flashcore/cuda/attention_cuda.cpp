@@ -8,12 +8,12 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <cstring>
 #include <limits>
 #include <string>
 
 #include "../attention_host.h"
+#include "../kernel_trace.h"
+#include "../switches.h"
 #include "bwd_composite_cuda.h"
 #include "bwd_preprocess.cuh"
 #include "kernel_registry.h"
@@ -43,13 +43,6 @@ at::Tensor aligned_for_16b_loads(const at::Tensor& t) {
   return is_16b_aligned(t) ? t : t.clone(at::MemoryFormat::Contiguous);
 }
 
-// Run-time switches, read per call so that tests can set them: FLASHCORE_FORCE_KERNEL=sm80|sm90 forces a forward
-// family, FLASHCORE_FORCE_BWD=composite|sm80 a backward path.
-std::string env_switch(const char* name) {
-  const char* env = std::getenv(name);
-  return env ? std::string(env) : std::string();
-}
-
 // TMA (the sm90 family's loads) needs positive 16-byte-multiple strides; a tensor that aligned_for_16b_loads
 // would copy is a fresh contiguous tensor afterwards, hence compatible.
 bool tma_ready(const at::Tensor& t) {
@@ -58,34 +51,13 @@ bool tma_ready(const at::Tensor& t) {
   return sm90::tma_compatible(t.data_ptr(), s, t.size(0), t.size(1), t.size(2));
 }
 
-// The wgmma family runs on compute capability 9.0 (sm_90a code) for the head dims it was compiled for and
-// tensors TMA can describe; the mma.sync family runs everywhere else (also when sm90 is forced but the layout
-// rules it out, e.g. a zero-stride expanded key).
-const char* select_family(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value) {
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.device().index());
-  const bool hopper = prop->major == 9 && prop->minor == 0;
-  const auto dtype = to_dtype(query.scalar_type());
-  const int head_dim = (int)query.size(3);
-  const bool sm90_built = cuda::find_fwd_kernel("sm90", head_dim, dtype) != nullptr;
-  const std::string forced = env_switch("FLASHCORE_FORCE_KERNEL");
-  if (forced == "sm80") return "sm80";
-  if (forced == "sm90") {
-    TORCH_CHECK(hopper, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 needs a compute capability 9.0 GPU; ",
-                prop->name, " is ", prop->major, ".", prop->minor);
-    TORCH_CHECK(sm90_built, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 but this build has no sm90 kernel for head_dim ",
-                head_dim, " and dtype ", c10::toString(query.scalar_type()), " (build with FLASHCORE_CUDA_ARCHS "
-                "including 90a)");
-    return tma_ready(query) && tma_ready(key) && tma_ready(value) ? "sm90" : "sm80";
-  }
-  TORCH_CHECK(forced.empty(), "flashcore: FLASHCORE_FORCE_KERNEL=", forced,
-              " is not a forward kernel family (sm80, sm90)");
-  return hopper && sm90_built && tma_ready(query) && tma_ready(key) && tma_ready(value) ? "sm90" : "sm80";
-}
+bool is_hopper(const cudaDeviceProp& prop) { return prop.major == 9 && prop.minor == 0; }
 
-void check_device(const at::Tensor& query) {
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.device().index());
-  TORCH_CHECK(prop->major >= 8, "flashcore: the CUDA kernels need compute capability 8.0 or newer; ",
-              prop->name, " is ", prop->major, ".", prop->minor);
+const cudaDeviceProp& device_properties(const at::Tensor& t) {
+  const cudaDeviceProp& prop = *at::cuda::getDeviceProperties(t.device().index());
+  TORCH_CHECK(prop.major >= 8, "flashcore: the CUDA kernels need compute capability 8.0 or newer; ", prop.name,
+              " is ", prop.major, ".", prop.minor);
+  return prop;
 }
 
 void check_sizes(const at::Tensor& query, const at::Tensor& key) {
@@ -97,15 +69,32 @@ void check_sizes(const at::Tensor& query, const at::Tensor& key) {
               query.size(0), " x ", query.size(1), " x ", m_blocks, ") exceeds the CUDA grid limit");
 }
 
-const cuda::FwdKernelEntry& find_kernel(const char* family, const at::Tensor& query) {
+// The forward kernel for these inputs: the wgmma family (sm90) on compute capability 9.0 for the head dims it
+// was compiled for and tensors TMA can describe; the mma.sync family (sm80) everywhere else (also when sm90 is
+// forced but the layout rules it out, e.g. a zero-stride expanded key). FLASHCORE_FORCE_KERNEL=sm80|sm90 forces a
+// family (switches.h).
+const cuda::FwdKernelEntry& select_fwd_kernel(const at::Tensor& query, const at::Tensor& key,
+                                              const at::Tensor& value, const cudaDeviceProp& prop) {
   const auto dtype = to_dtype(query.scalar_type());
   const int head_dim = (int)query.size(3);
-  const cuda::FwdKernelEntry* entry = cuda::find_fwd_kernel(family, head_dim, dtype);
-  TORCH_CHECK(entry != nullptr, "flashcore: this build has no ", family, " forward kernel for head_dim ", head_dim,
-              " and dtype ", c10::toString(query.scalar_type()), " (compiled head-dim tiles: ",
-              cuda::compiled_head_dim_tiles(family, dtype), "); rebuild with FLASHCORE_HEADDIMS/FLASHCORE_DTYPES "
+  const std::string forced = forced_fwd_family();
+  TORCH_CHECK(forced.empty() || forced == "sm80" || forced == "sm90", "flashcore: FLASHCORE_FORCE_KERNEL=", forced,
+              " is not a forward kernel family (sm80, sm90)");
+  const cuda::FwdKernelEntry* sm90 = forced == "sm80" ? nullptr : cuda::find_fwd_kernel("sm90", head_dim, dtype);
+  if (forced == "sm90") {
+    TORCH_CHECK(is_hopper(prop), "flashcore: FLASHCORE_FORCE_KERNEL=sm90 needs a compute capability 9.0 GPU; ",
+                prop.name, " is ", prop.major, ".", prop.minor);
+    TORCH_CHECK(sm90 != nullptr, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 but this build has no sm90 kernel for "
+                "head_dim ", head_dim, " and dtype ", c10::toString(query.scalar_type()), " (build with "
+                "FLASHCORE_CUDA_ARCHS including 90a)");
+  }
+  if (sm90 != nullptr && is_hopper(prop) && tma_ready(query) && tma_ready(key) && tma_ready(value)) return *sm90;
+  const cuda::FwdKernelEntry* sm80 = cuda::find_fwd_kernel("sm80", head_dim, dtype);
+  TORCH_CHECK(sm80 != nullptr, "flashcore: this build has no forward kernel for head_dim ", head_dim, " and dtype ",
+              c10::toString(query.scalar_type()), " (compiled head-dim tiles: ",
+              cuda::compiled_head_dim_tiles("sm80", dtype), "); rebuild with FLASHCORE_HEADDIMS/FLASHCORE_DTYPES "
               "including it");
-  return *entry;
+  return *sm80;
 }
 
 // The CUDA kernels take the row max of the raw scores and mask them before scaling, so a zero or negative scale
@@ -123,19 +112,19 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at
   check_fwd_inputs(query_in, key_in, value_in, opts, kCudaLimits);
   check_cuda_scale(softmax_scale);
   const c10::cuda::CUDAGuard guard(query_in.device());
-  check_device(query_in);
+  const cudaDeviceProp& prop = device_properties(query_in);
   check_sizes(query_in, key_in);
 
   auto [out, lse] = alloc_fwd_outputs(query_in);
-  FwdParams p = make_fwd_params(query_in, key_in, value_in, out, lse, opts);
-  if (fwd_is_trivial(p, out, lse)) return {out, lse};
-
   const at::Tensor query = aligned_for_16b_loads(query_in);
   const at::Tensor key = aligned_for_16b_loads(key_in);
   const at::Tensor value = aligned_for_16b_loads(value_in);
-  p = make_fwd_params(query, key, value, out, lse, opts);
-  const cuda::FwdKernelEntry& kernel = find_kernel(select_family(query, key, value), query);
-  kernel.launch(p, at::cuda::getCurrentCUDAStream());
+  const FwdParams p = make_fwd_params(query, key, value, out, lse, opts);
+  if (fwd_is_trivial(p, out, lse)) return {out, lse};
+
+  const cuda::FwdKernelEntry& kernel = select_fwd_kernel(query, key, value, prop);
+  record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile});
+  kernel.launch(p, at::cuda::getCurrentCUDAStream());  // the sm90 launcher refines the record
   return {out, lse};
 }
 
@@ -143,37 +132,38 @@ std::string fwd_kernel_name_cuda(const at::Tensor& query, const at::Tensor& key,
                                  bool is_causal) {
   const MaskOptions opts{1.0, is_causal, false, -1, -1, 0.0};
   check_fwd_inputs(query, key, value, opts, kCudaLimits);
-  return select_family(query, key, value);
+  const c10::cuda::CUDAGuard guard(query.device());
+  return select_fwd_kernel(query, key, value, device_properties(query)).family;
 }
 
 // The fused backward runs when its head-dim tile was compiled, the device grants its shared memory (sm_86/sm_89
-// do not, above head dim 96) and its grids fit: the wgmma family (sm90) on compute capability 9.0 for the head
-// dims it has (<= 128) and tensors TMA can describe, the mma.sync family (sm80) otherwise. Deterministic gradients
-// go to the composite backward, since the fused kernels sum dQ with atomics whose order varies.
-// FLASHCORE_FORCE_BWD=composite|sm80|sm90 forces a path (tests, ablations); a forced sm90 still yields to sm80
-// where TMA rules the layout out, as the forward does.
+// do not, above head dim 96) and its grids fit: the wgmma family (sm90) on compute capability 9.0 for tensors TMA
+// can describe, the mma.sync family (sm80) otherwise. Deterministic gradients go to the composite backward, since
+// the fused kernels sum dQ with atomics whose order varies. FLASHCORE_FORCE_BWD=composite|sm80|sm90 forces a path
+// (switches.h); a forced sm90 still yields to sm80 where TMA rules the layout out, as the forward does.
+// nullptr: the composite backward.
 const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const at::Tensor& query,
-                                              const at::Tensor& key, const at::Tensor& value, bool deterministic) {
-  const std::string forced = env_switch("FLASHCORE_FORCE_BWD");
+                                              const at::Tensor& key, const at::Tensor& value, bool deterministic,
+                                              const cudaDeviceProp& prop) {
+  const std::string forced = forced_bwd_path();
   TORCH_CHECK(forced.empty() || forced == "composite" || forced == "sm80" || forced == "sm90",
               "flashcore: FLASHCORE_FORCE_BWD=", forced, " is not a backward path (composite, sm80, sm90)");
   if (deterministic || forced == "composite") return nullptr;
-  const cudaDeviceProp* prop = at::cuda::getDeviceProperties(query.device().index());
-  const bool hopper = prop->major == 9 && prop->minor == 0;
   const auto dtype = to_dtype(query.scalar_type());
   const int head_dim = (int)query.size(3);
   const cuda::BwdKernelEntry* sm90 = cuda::find_bwd_kernel("sm90", head_dim, dtype);
   if (forced == "sm90") {
-    TORCH_CHECK(hopper, "flashcore: FLASHCORE_FORCE_BWD=sm90 needs a compute capability 9.0 GPU; ", prop->name,
-                " is ", prop->major, ".", prop->minor);
+    TORCH_CHECK(is_hopper(prop), "flashcore: FLASHCORE_FORCE_BWD=sm90 needs a compute capability 9.0 GPU; ",
+                prop.name, " is ", prop.major, ".", prop.minor);
     TORCH_CHECK(sm90 != nullptr, "flashcore: FLASHCORE_FORCE_BWD=sm90 but this build has no sm90 backward kernel "
                 "for head_dim ", head_dim, " and dtype ", c10::toString(query.scalar_type()));
   }
   const bool tma = tma_ready(query) && tma_ready(key) && tma_ready(value) && tma_ready(grad_out);
-  const cuda::BwdKernelEntry* entry =
-      forced != "sm80" && hopper && sm90 != nullptr && tma ? sm90 : cuda::find_bwd_kernel("sm80", head_dim, dtype);
+  const cuda::BwdKernelEntry* entry = forced != "sm80" && is_hopper(prop) && sm90 != nullptr && tma
+                                          ? sm90
+                                          : cuda::find_bwd_kernel("sm80", head_dim, dtype);
   if (entry == nullptr) return nullptr;
-  if ((int64_t)prop->sharedMemPerBlockOptin < entry->smem_bytes) return nullptr;
+  if ((int64_t)prop.sharedMemPerBlockOptin < entry->smem_bytes) return nullptr;
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   const int64_t rows = query.size(0) * query.size(1) * query.size(2);
   const int64_t key_blocks = (key.size(2) + 63) / 64;  // 64: the smallest kBlockN, so an upper bound
@@ -181,51 +171,65 @@ const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const 
   return entry;
 }
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_out, const at::Tensor& query,
-                                                        const at::Tensor& key, const at::Tensor& value,
-                                                        const at::Tensor& out, const at::Tensor& lse,
+std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_out_in, const at::Tensor& query_in,
+                                                        const at::Tensor& key_in, const at::Tensor& value_in,
+                                                        const at::Tensor& out_in, const at::Tensor& lse,
                                                         double softmax_scale, bool is_causal,
                                                         bool causal_bottom_right, int64_t window_left,
                                                         int64_t window_right, double softcap, bool deterministic) {
   const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
-  check_bwd_inputs(grad_out, query, key, value, out, lse, opts, kCudaLimits);
+  check_bwd_inputs(grad_out_in, query_in, key_in, value_in, out_in, lse, opts, kCudaLimits);
   check_cuda_scale(softmax_scale);
-  const c10::cuda::CUDAGuard guard(query.device());
-  at::Tensor grad_query = at::empty_like(query);
-  at::Tensor grad_key = at::empty_like(key);
-  at::Tensor grad_value = at::empty_like(value);
-  const BwdParams p = make_bwd_params(grad_out, query, key, value, out, lse, grad_query, grad_key, grad_value,
-                                      opts, deterministic);
-  if (bwd_is_trivial(p, grad_query, grad_key, grad_value)) return {grad_query, grad_key, grad_value};
+  const c10::cuda::CUDAGuard guard(query_in.device());
+  const cudaDeviceProp& prop = device_properties(query_in);
+  auto [grad_query, grad_key, grad_value] = alloc_bwd_outputs(query_in, key_in, value_in);
+  if (bwd_is_trivial(query_in, key_in, grad_query, grad_key, grad_value)) return {grad_query, grad_key, grad_value};
 
-  const cuda::BwdKernelEntry* kernel = select_bwd_kernel(grad_out, query, key, value, deterministic);
+  const cuda::BwdKernelEntry* kernel =
+      select_bwd_kernel(grad_out_in, query_in, key_in, value_in, deterministic, prop);
   if (kernel == nullptr) {
-    cuda::bwd_composite(grad_out, query, key, value, out, lse, p, grad_query, grad_key, grad_value);
+    const BwdParams p = make_bwd_params(grad_out_in, query_in, key_in, value_in, out_in, lse, grad_query, grad_key,
+                                        grad_value, opts, deterministic);
+    record_kernel(Pass::kBwd, KernelTrace{"composite"});
+    cuda::bwd_composite(grad_out_in, query_in, key_in, value_in, out_in, lse, p, grad_query, grad_key, grad_value);
     return {grad_query, grad_key, grad_value};
   }
   // grad_key/grad_value are fresh (empty_like), hence 16-byte aligned; the inputs may need a copy.
-  const at::Tensor q = aligned_for_16b_loads(query), k = aligned_for_16b_loads(key);
-  const at::Tensor v = aligned_for_16b_loads(value), o = aligned_for_16b_loads(out);
-  const at::Tensor dout = aligned_for_16b_loads(grad_out);
+  const at::Tensor q = aligned_for_16b_loads(query_in), k = aligned_for_16b_loads(key_in);
+  const at::Tensor v = aligned_for_16b_loads(value_in), o = aligned_for_16b_loads(out_in);
+  const at::Tensor dout = aligned_for_16b_loads(grad_out_in);
   // The fused kernel sums dQ in dq_accum (fp32) and never touches grad_query: release it until the end, so that
   // grad_query is not allocated together with dsum (peak memory at or below SDPA's; docs/PERFORMANCE.md).
   grad_query = at::Tensor();
-  const BwdParams pk = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
-  const auto f32 = query.options().dtype(at::kFloat);
-  at::Tensor dsum = at::empty({query.size(0), query.size(1), query.size(2)}, f32);
-  const int64_t rows = (query.size(2) + kernel->block_m - 1) / kernel->block_m * kernel->block_m;
-  const int64_t dq_cols = kernel->dq_cols_exact ? query.size(3) : kernel->head_dim_tile;
-  at::Tensor dq_accum = at::empty({query.size(0), query.size(1), rows, dq_cols}, f32);
+  const BwdParams p = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dsum = at::empty({q.size(0), q.size(1), q.size(2)}, f32);
+  const int64_t rows = (q.size(2) + kernel->block_m - 1) / kernel->block_m * kernel->block_m;
+  const int64_t dq_cols = kernel->dq_cols_exact ? q.size(3) : kernel->head_dim_tile;
+  at::Tensor dq_accum = at::empty({q.size(0), q.size(1), rows, dq_cols}, f32);
+  poison_if_enabled({dsum, dq_accum});  // the pre-pass must write both whole
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // One pass computes dsum and zeroes dq_accum, instead of a separate fill kernel (~80 us of a 12 ms backward at
   // 4x16x8192x128; measured within noise of the two-kernel version, one launch fewer).
-  cuda::launch_bwd_prepass(pk, query.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(),
-                           dq_accum.data_ptr<float>(), rows, (int)dq_cols, stream);
-  kernel->launch(pk, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
+  cuda::launch_bwd_prepass(p, q.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(),
+                           rows, (int)dq_cols, stream);
+  record_kernel(Pass::kBwd, KernelTrace{kernel->family, kernel->head_dim_tile});
+  kernel->launch(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
   dsum = at::Tensor();
-  grad_query = at::empty_like(query);
-  grad_query.copy_(dq_accum.narrow(2, 0, query.size(2)).narrow(3, 0, query.size(3)));
+  grad_query = at::empty_like(query_in);
+  poison_if_enabled({grad_query});
+  grad_query.copy_(dq_accum.narrow(2, 0, q.size(2)).narrow(3, 0, q.size(3)));
   return {grad_query, grad_key, grad_value};
+}
+
+std::string bwd_kernel_name_cuda(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& value, bool deterministic) {
+  const MaskOptions opts{1.0, false, false, -1, -1, 0.0};
+  check_fwd_inputs(query, key, value, opts, kCudaLimits);
+  const c10::cuda::CUDAGuard guard(query.device());
+  const cuda::BwdKernelEntry* kernel =
+      select_bwd_kernel(grad_out, query, key, value, deterministic, device_properties(query));
+  return kernel == nullptr ? "composite" : kernel->family;
 }
 
 }  // namespace
@@ -234,6 +238,7 @@ TORCH_LIBRARY_IMPL(flashcore, CUDA, m) {
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
   m.impl("fwd_kernel_name", &fwd_kernel_name_cuda);
+  m.impl("bwd_kernel_name", &bwd_kernel_name_cuda);
 }
 
 }  // namespace flashcore

@@ -25,6 +25,7 @@ void bwd_composite(const at::Tensor& grad_out, const at::Tensor& query, const at
   constexpr int64_t kChunkBudget = int64_t{1} << 27;  // float32 elements of one score chunk (512 MiB)
   const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(Sq, kChunkBudget / std::max<int64_t>(1, B * Hkv * G * Sk)));
   const at::Tensor key_idx = at::arange(Sk, k.options().dtype(at::kLong));
+  const Band& band = p.band;
 
   for (int64_t r0 = 0; r0 < Sq; r0 += rows) {
     const int64_t r1 = std::min(Sq, r0 + rows), n = r1 - r0;
@@ -37,9 +38,10 @@ void bwd_composite(const at::Tensor& grad_out, const at::Tensor& query, const at
 
     at::Tensor s = at::matmul(q, k.transpose(-1, -2)).mul_(p.scale);  // (B, Hkv, G * n, Sk)
     at::Tensor prob = (s - lse_c).exp_();
-    if (p.causal) {
+    if (band.banded()) {  // key j hidden from query i unless lo <= j - i <= hi (mask.h)
       const at::Tensor row_idx = at::arange(r0, r1, key_idx.options());
-      const at::Tensor hidden = key_idx.view({1, Sk}) > (row_idx.view({n, 1}) + p.causal_offset);  // (n, Sk)
+      const at::Tensor diag = key_idx.view({1, Sk}) - row_idx.view({n, 1});  // (n, Sk)
+      const at::Tensor hidden = (diag > band.hi).logical_or_(diag < band.lo);
       prob = prob.view({B, Hkv, G, n, Sk}).masked_fill_(hidden, 0.0).view({B, Hkv, G * n, Sk});
     }
     dv.add_(at::matmul(prob.transpose(-1, -2), dout));

@@ -7,9 +7,9 @@
 
 #include <atomic>
 #include <cstdint>
-#include <cstdlib>
-#include <cstring>
 #include <utility>
+
+#include "../switches.h"
 
 namespace flashcore::cuda {
 
@@ -35,8 +35,8 @@ inline void set_max_dynamic_smem_once(Kernel kernel, int smem_bytes, std::atomic
 // architecture (grid_dependency.cuh compiles them out below sm_90). A GPU newer than every cubin of the build runs
 // the mma.sync kernels JIT-compiled from their compute_80 PTX, which has no wait: launched with programmatic
 // serialization, it could read its inputs before the previous kernel's writes land. Checked once per kernel and
-// device (cudaFuncGetAttributes), kept in the launcher's static PdlSupport; FLASHCORE_PDL=0 turns PDL off (read per
-// call, like the other switches, so benchmarks can measure what it buys).
+// device (cudaFuncGetAttributes), kept in the launcher's static PdlSupport; FLASHCORE_PDL=0 turns PDL off
+// (switches.h), so benchmarks can measure what it buys.
 struct PdlSupport {
   std::atomic<uint64_t> checked{0};  // bit d: device d was checked (current_device_bit)
   std::atomic<uint64_t> capable{0};  // bit d: the kernel's code on device d waits for prior grids
@@ -44,8 +44,7 @@ struct PdlSupport {
 
 template <typename... Params>
 inline bool pdl_enabled(void (*kernel)(Params...), PdlSupport& support) {
-  const char* env = std::getenv("FLASHCORE_PDL");
-  if (env != nullptr && std::strcmp(env, "0") == 0) return false;
+  if (!pdl_allowed()) return false;
   const uint64_t bit = current_device_bit();
   if (bit != 0 && (support.checked.load(std::memory_order_acquire) & bit))
     return (support.capable.load(std::memory_order_relaxed) & bit) != 0;

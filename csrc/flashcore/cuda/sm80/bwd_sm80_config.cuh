@@ -10,7 +10,7 @@
 // composite backward.
 #pragma once
 
-#include "smem_tile.cuh"
+#include "../common/smem_tile.cuh"
 
 namespace flashcore::sm80 {
 
@@ -62,9 +62,9 @@ struct BwdKernelTraits {
   static constexpr int kKVDTiles = kKVDims / 8;
   static_assert(kSCols % 16 == 0 && kQDims % 16 == 0 && kKVDims % 16 == 0, "ldmatrix.x4 fetches pairs of n8 tiles");
 
-  using QTile = SmemTile<kBlockM, kHeadDim>;   // Q and dO: rows = queries
-  using KVTile = SmemTile<kBlockN, kHeadDim>;  // K and V: rows = keys
-  using PTile = SmemTile<kBlockM, kBlockN>;    // P and dS: rows = queries, cols = keys
+  using QTile = cuda::SmemTile<kBlockM, kHeadDim>;   // Q and dO: rows = queries
+  using KVTile = cuda::SmemTile<kBlockN, kHeadDim>;  // K and V: rows = keys
+  using PTile = cuda::SmemTile<kBlockM, kBlockN>;    // P and dS: rows = queries, cols = keys
 
   // Shared memory, in elements of Element from the base: kStages x [Q][dO], then [K][V][P][dS], then fp32
   // [lse x kStages][dsum x kStages] (per query row of the block: log2-domain LSE and rowsum(dO * O)).

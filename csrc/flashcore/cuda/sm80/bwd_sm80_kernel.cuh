@@ -20,13 +20,12 @@
 #include <cstdint>
 
 #include "../../params.h"
-#include "../fwd_block.cuh"  // tile_needs_mask
+#include "../common/fragment_mask.cuh"
+#include "../common/pack.cuh"
+#include "../common/tile_io.cuh"
 #include "../ptx/cp_async.cuh"
 #include "bwd_sm80_config.cuh"
 #include "bwd_sm80_gemm.cuh"
-#include "fwd_sm80_mainloop.cuh"  // pack2
-#include "fwd_sm80_mask.cuh"
-#include "tile_io.cuh"
 
 namespace flashcore::sm80 {
 
@@ -86,17 +85,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 
   const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head;
   const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head;
-  load_tile_async<KVTile, kNThreads>(sK, k, p.k_stride.seq, n0, seqlen_k, head_dim);
-  load_tile_async<KVTile, kNThreads>(sV, v, p.v_stride.seq, n0, seqlen_k, head_dim);
+  cuda::load_tile_async<KVTile, kNThreads>(sK, k, p.k_stride.seq, n0, seqlen_k, head_dim);
+  cuda::load_tile_async<KVTile, kNThreads>(sV, v, p.v_stride.seq, n0, seqlen_k, head_dim);
 
-  // Query blocks that see at least one key of this block: with a causal mask, rows i >= n0 - causal_offset.
-  const int num_m_blocks = (seqlen_q + kBlockM - 1) / kBlockM;
-  int m_begin = 0;
-  if (p.causal) {
-    const int64_t first_row = (int64_t)n0 - p.causal_offset;
-    m_begin = first_row <= 0 ? 0 : (int)(first_row / kBlockM < num_m_blocks ? first_row / kBlockM : num_m_blocks);
-  }
-  const int m_count = num_m_blocks - m_begin;
+  // Query blocks [m_begin, m_begin + m_count) see at least one key of this block (the mask's band).
+  const Band& band = p.band;
+  const IndexRange m_tiles =
+      Band::tiles(band.queries_of_keys(n0, (int64_t)n0 + kBlockN, seqlen_q), kBlockM);
+  const int m_begin = (int)m_tiles.begin;
+  const int m_count = (int)m_tiles.size();
+  const TileRange unmasked = band.unmasked_query_tiles(n0, kBlockN, kBlockM);  // query tiles the mask can skip
   const int total = (int)p.group * m_count;  // iterations: (query head of the group, query block)
 
   // Issues the cp.async loads of iteration `it` (Q and dO tiles) into `stage`, and writes its per-row LSE (log2
@@ -106,8 +104,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int m0 = (m_begin + it % m_count) * kBlockM;
     const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
     const Element* dout = static_cast<const Element*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
-    load_tile_async<QTile, kNThreads>(stage_q(stage), q, p.q_stride.seq, m0, seqlen_q, head_dim);
-    load_tile_async<QTile, kNThreads>(stage_do(stage), dout, p.dout_stride.seq, m0, seqlen_q, head_dim);
+    cuda::load_tile_async<QTile, kNThreads>(stage_q(stage), q, p.q_stride.seq, m0, seqlen_q, head_dim);
+    cuda::load_tile_async<QTile, kNThreads>(stage_do(stage), dout, p.dout_stride.seq, m0, seqlen_q, head_dim);
     if (tid < kBlockM) {
       const int row = m0 + tid;
       const int64_t idx = (b * p.heads_q + h) * p.seqlen_q + row;
@@ -128,7 +126,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 
   if (total > 0) load_query_block(0, 0);
   ptx::cp_async_commit();
-  const int64_t dq_rows_per_head = (int64_t)num_m_blocks * kBlockM;
+  const int64_t dq_rows_per_head = (int64_t)(seqlen_q + kBlockM - 1) / kBlockM * kBlockM;
 
   // Schedule per iteration (two stages): wait for this block's Q/dO -> S, dP, P, dS -> barrier -> prefetch the
   // next block's Q/dO into the other stage (free: every warp is past its last reads) -> dV, dK, dQ -> dQ atomics.
@@ -144,7 +142,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     __syncthreads();
 
     const int64_t h = h_kv * p.group + it / m_count;
-    const int m0 = (m_begin + it % m_count) * kBlockM;
+    const int m_block = m_begin + it % m_count;
+    const int m0 = m_block * kBlockM;
     const Element* sQs = stage_q(stage);
     const Element* sdOs = stage_do(stage);
 
@@ -164,8 +163,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       s[0][ni][3] = s[0][ni][3] * p.scale_log2 - lse_hi;
     }
     // Masked after scaling, so that a negative scale cannot turn a -inf score into +inf.
-    if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
-      apply_mask(s, m0 + r_lo, n0 + wc * Traits::kSCols + 2 * t, seqlen_k, p.causal, p.causal_offset);
+    if (!unmasked.contains(m_block))
+      cuda::apply_mask(s, m0 + r_lo, n0 + wc * Traits::kSCols + 2 * t, band);
 #pragma unroll
     for (int ni = 0; ni < kSNT; ++ni) {
       const int col = wc * Traits::kSCols + ni * 8 + 2 * t;
@@ -174,9 +173,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         const float p0 = exp2f(s[0][ni][2 * half]), p1 = exp2f(s[0][ni][2 * half + 1]);
         const float d = half ? d_hi : d_lo;
         const int row = r_lo + 8 * half;
-        *reinterpret_cast<uint32_t*>(sP + PTile::elem_offset(row, col)) = pack2<Element>(p0, p1);
+        *reinterpret_cast<uint32_t*>(sP + PTile::elem_offset(row, col)) = cuda::pack2<Element>(p0, p1);
         *reinterpret_cast<uint32_t*>(sdS + PTile::elem_offset(row, col)) =
-            pack2<Element>(p0 * (dp[ni][2 * half] - d), p1 * (dp[ni][2 * half + 1] - d));
+            cuda::pack2<Element>(p0 * (dp[ni][2 * half] - d), p1 * (dp[ni][2 * half + 1] - d));
       }
     }
     __syncthreads();
@@ -216,16 +215,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     for (int di = 0; di < kKVDT; ++di) {
       const int col = wkd * Traits::kKVDims + di * 8 + 2 * t;
       *reinterpret_cast<uint32_t*>(sK + KVTile::elem_offset(row, col)) =
-          pack2<Element>(dk[di][2 * half] * p.scale, dk[di][2 * half + 1] * p.scale);
+          cuda::pack2<Element>(dk[di][2 * half] * p.scale, dk[di][2 * half + 1] * p.scale);
       *reinterpret_cast<uint32_t*>(sV + KVTile::elem_offset(row, col)) =
-          pack2<Element>(dv[di][2 * half], dv[di][2 * half + 1]);
+          cuda::pack2<Element>(dv[di][2 * half], dv[di][2 * half + 1]);
     }
   }
   __syncthreads();
   Element* dk_out = static_cast<Element*>(p.dk) + b * p.dk_stride.batch + h_kv * p.dk_stride.head;
   Element* dv_out = static_cast<Element*>(p.dv) + b * p.dv_stride.batch + h_kv * p.dv_stride.head;
-  store_tile<KVTile, kNThreads>(sK, dk_out, p.dk_stride.seq, n0, seqlen_k, head_dim);
-  store_tile<KVTile, kNThreads>(sV, dv_out, p.dv_stride.seq, n0, seqlen_k, head_dim);
+  cuda::store_tile<KVTile, kNThreads>(sK, dk_out, p.dk_stride.seq, n0, seqlen_k, head_dim);
+  cuda::store_tile<KVTile, kNThreads>(sV, dv_out, p.dv_stride.seq, n0, seqlen_k, head_dim);
 }
 
 }  // namespace flashcore::sm80

@@ -14,14 +14,14 @@
 #include <cstdint>
 
 #include "../../params.h"
-#include "../fwd_block.cuh"
+#include "../common/fragment_mask.cuh"
+#include "../common/fwd_block.cuh"
+#include "../common/online_softmax.cuh"
+#include "../common/smem_tile.cuh"
+#include "../common/tile_io.cuh"
 #include "../ptx/grid_dependency.cuh"
 #include "fwd_sm80_config.cuh"
 #include "fwd_sm80_mainloop.cuh"
-#include "fwd_sm80_mask.cuh"
-#include "fwd_sm80_softmax.cuh"
-#include "smem_tile.cuh"
-#include "tile_io.cuh"
 
 namespace flashcore::sm80 {
 
@@ -44,8 +44,8 @@ struct FwdKernelTraits {
   static constexpr int kKSteps = kHeadDim / 16;
   static_assert(kWarpRows % 16 == 0 && kNTiles % 2 == 0 && kDTiles % 2 == 0, "tile shape");
 
-  using QTile = SmemTile<kBlockM, kHeadDim>;
-  using KVTile = SmemTile<kBlockN, kHeadDim>;
+  using QTile = cuda::SmemTile<kBlockM, kHeadDim>;
+  using KVTile = cuda::SmemTile<kBlockN, kHeadDim>;
   static constexpr int kSmemBytes = (QTile::kElems + 4 * KVTile::kElems) * (int)sizeof(Element);
   static_assert(kSmemBytes <= 96 * 1024, "one binary for sm_80..sm_90: sm_86/sm_89 give a block 99 KiB");
   // Two blocks a multiprocessor where registers allow (128 threads); one for 8 warps.
@@ -74,7 +74,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int warp_row0 = warp * Traits::kWarpRows;  // first row of this warp inside the block
   const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
   const cuda::FwdBlock<Element> blk = cuda::fwd_block<Element, kBlockM, kBlockN>(p, num_m_blocks);
-  const int m0 = blk.m0, n_blocks = blk.n_blocks;
+  const int m0 = blk.m0, n_end = blk.n_blocks, n_count = blk.n_blocks - blk.n_first;
+  const Band& band = p.band;
+  const TileRange unmasked = band.unmasked_key_tiles(m0, kBlockM, kBlockN);  // key tiles the mask can skip
 
   float o[kMTiles][kDTiles][4];
 #pragma unroll
@@ -85,7 +87,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       for (int e = 0; e < 4; ++e) o[mi][di][e] = 0.f;
   // Tree row reductions where a row's chain is long (128-key blocks: the small-grid tile up to head dim 64); with
   // 64-key blocks they gain nothing measurable and made head dim 96 spill 24 B more.
-  OnlineSoftmax<kMTiles, kNTiles, kDTiles, /*kTreeReduce=*/(kBlockN >= 128)> softmax;
+  cuda::OnlineSoftmax<kMTiles, kNTiles, kDTiles, /*kTreeReduce=*/(kBlockN >= 128)> softmax;
 
   // This thread's first row (g of m-tile 0) and first column (2t of n-tile 0) in fragment coordinates.
   const int frag_row0 = m0 + warp_row0 + (lane >> 2);
@@ -94,11 +96,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   // Launched with programmatic dependent launch (ptx/grid_dependency.cuh): nothing above touches global memory.
   ptx::wait_for_prior_grids();
 
-  if (n_blocks > 0) {
-    load_tile_async<QTile, kNThreads>(sQ, blk.q, p.q_stride.seq, m0, seqlen_q, head_dim);
-    load_tile_async<KVTile, kNThreads>(sK, blk.k, p.k_stride.seq, (n_blocks - 1) * kBlockN, seqlen_k, head_dim);
+  if (n_count > 0) {
+    cuda::load_tile_async<QTile, kNThreads>(sQ, blk.q, p.q_stride.seq, m0, seqlen_q, head_dim);
+    cuda::load_tile_async<KVTile, kNThreads>(sK, blk.k, p.k_stride.seq, (n_end - 1) * kBlockN, seqlen_k, head_dim);
     ptx::cp_async_commit();
-    load_tile_async<KVTile, kNThreads>(sV, blk.v, p.v_stride.seq, (n_blocks - 1) * kBlockN, seqlen_k, head_dim);
+    cuda::load_tile_async<KVTile, kNThreads>(sV, blk.v, p.v_stride.seq, (n_end - 1) * kBlockN, seqlen_k, head_dim);
     ptx::cp_async_commit();
 
     uint32_t q_regs[kMTiles][Traits::kQInRegs ? kKSteps : 1][4];
@@ -106,14 +108,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const bool negative_scale = !(p.scale_log2 > 0.f);  // also 0, where -inf * 0 would be NaN
     const float softmax_scale = negative_scale ? 1.f : p.scale_log2;
 
-    for (int it = 0; it < n_blocks; ++it) {
-      const int n_block = n_blocks - 1 - it;
+    for (int it = 0; it < n_count; ++it) {
+      const int n_block = n_end - 1 - it;
       const int buf = it & 1;
 
       ptx::cp_async_wait<1>();  // Q (first step) and K[n_block] have landed
       __syncthreads();
-      if (it + 1 < n_blocks)
-        load_tile_async<KVTile, kNThreads>(sK + (buf ^ 1) * KVTile::kElems, blk.k, p.k_stride.seq,
+      if (it + 1 < n_count)
+        cuda::load_tile_async<KVTile, kNThreads>(sK + (buf ^ 1) * KVTile::kElems, blk.k, p.k_stride.seq,
                                            (n_block - 1) * kBlockN, seqlen_k, head_dim);
       ptx::cp_async_commit();
 
@@ -136,16 +138,16 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 #pragma unroll
             for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
       }
-      if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
-        apply_mask(s, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
+      if (!unmasked.contains(n_block))
+        cuda::apply_mask(s, frag_row0, n_block * kBlockN + frag_col_in_tile, band);
 
       // Wait for V before the softmax, not after it, and rescale o unconditionally (no warp-uniform branch on
       // whether a row max moved): the softmax and P V then form one basic block, and the compiler interleaves the
       // exp2 of later key columns with the MMAs of earlier ones, as FlashAttention-2's SASS does.
       ptx::cp_async_wait<1>();  // V[n_block] has landed
       __syncthreads();
-      if (it + 1 < n_blocks)
-        load_tile_async<KVTile, kNThreads>(sV + (buf ^ 1) * KVTile::kElems, blk.v, p.v_stride.seq,
+      if (it + 1 < n_count)
+        cuda::load_tile_async<KVTile, kNThreads>(sV + (buf ^ 1) * KVTile::kElems, blk.v, p.v_stride.seq,
                                            (n_block - 1) * kBlockN, seqlen_k, head_dim);
       ptx::cp_async_commit();
 

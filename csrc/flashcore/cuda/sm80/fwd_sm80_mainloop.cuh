@@ -9,25 +9,13 @@
 
 #include <cstdint>
 
+#include "../common/pack.cuh"
 #include "../ptx/ldmatrix.cuh"
 #include "../ptx/mma_sm80.cuh"
 
 namespace flashcore::sm80 {
 
-template <typename Element>
-__device__ __forceinline__ uint32_t pack2(float lo, float hi);
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__half>(float lo, float hi) {
-  __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
-
-template <>
-__device__ __forceinline__ uint32_t pack2<__nv_bfloat16>(float lo, float hi) {
-  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
-}
+using cuda::pack2;
 
 // Lane address of an A fragment (16 rows x 16 cols at `row_base`, k-step `ks`) in an ldmatrix.x4:
 // matrices (rows 0-7 | 8-15) x (cols 0-7 | 8-15) in the order a0, a1, a2, a3.

@@ -19,12 +19,12 @@
 #include <cstdint>
 
 #include "../../params.h"
-#include "../fwd_block.cuh"  // tile_needs_mask
+#include "../common/fragment_mask.cuh"
+#include "../common/pack.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../ptx/tma.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "../ptx/wgmma_sm90.cuh"
-#include "../sm80/fwd_sm80_mainloop.cuh"  // pack2
 #include "bwd_sm90_traits.cuh"
 #include "smem_desc.cuh"
 
@@ -47,10 +47,10 @@ template <typename Element, int kVals>
 __device__ __forceinline__ void pack_a_fragments(const float (&acc)[kVals], uint32_t (&frag)[kVals / 8][4]) {
 #pragma unroll
   for (int kk = 0; kk < kVals / 8; ++kk) {
-    frag[kk][0] = sm80::pack2<Element>(acc[8 * kk + 0], acc[8 * kk + 1]);
-    frag[kk][1] = sm80::pack2<Element>(acc[8 * kk + 2], acc[8 * kk + 3]);
-    frag[kk][2] = sm80::pack2<Element>(acc[8 * kk + 4], acc[8 * kk + 5]);
-    frag[kk][3] = sm80::pack2<Element>(acc[8 * kk + 6], acc[8 * kk + 7]);
+    frag[kk][0] = cuda::pack2<Element>(acc[8 * kk + 0], acc[8 * kk + 1]);
+    frag[kk][1] = cuda::pack2<Element>(acc[8 * kk + 2], acc[8 * kk + 3]);
+    frag[kk][2] = cuda::pack2<Element>(acc[8 * kk + 4], acc[8 * kk + 5]);
+    frag[kk][3] = cuda::pack2<Element>(acc[8 * kk + 6], acc[8 * kk + 7]);
   }
 }
 
@@ -118,7 +118,7 @@ __device__ __forceinline__ void load_query_pairs(const float* values, int col0, 
 // after the scaling, so that a zero or negative scale cannot turn a hidden -inf into NaN or +inf.
 template <int kQTiles>
 __device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], const float2 (&lse_log2)[kQTiles],
-                                                const BwdParams& p, int m0, int col0, int key_lo, int seqlen_k,
+                                                const BwdParams& p, const Band& band, int m0, int col0, int key_lo,
                                                 bool needs_mask, int t) {
 #pragma unroll
   for (int ni = 0; ni < kQTiles; ++ni) {
@@ -126,28 +126,7 @@ __device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], const f
 #pragma unroll
     for (int e = 0; e < 4; ++e) s[4 * ni + e] = s[4 * ni + e] * p.scale_log2 - ((e & 1) ? lse.y : lse.x);
   }
-  if (needs_mask) {
-    // Key k is visible to queries q >= k - causal_offset (causal), and only if k < seqlen_k: one bound per key
-    // row, clamped to the int range (k - causal_offset may leave it; INT32_MAX stands for "no query"), then
-    // 32-bit compares.
-    int first_query[2];
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int key = key_lo + 8 * half;
-      int64_t q = p.causal ? (int64_t)key - p.causal_offset : INT64_MIN;
-      if (key >= seqlen_k) q = INT64_MAX;
-      first_query[half] = q < INT32_MIN ? INT32_MIN : q > INT32_MAX ? INT32_MAX : (int)q;
-    }
-#pragma unroll
-    for (int ni = 0; ni < kQTiles; ++ni) {
-      const int query = m0 + col0 + ni * 8 + 2 * t;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int bound = first_query[e >> 1];
-        if (bound == INT32_MAX || query + (e & 1) < bound) s[4 * ni + e] = -INFINITY;
-      }
-    }
-  }
+  if (needs_mask) cuda::apply_mask_transposed<kQTiles>(s, key_lo, m0 + col0 + 2 * t, band);
 #pragma unroll
   for (int i = 0; i < 4 * kQTiles; ++i) s[i] = exp2f(s[i]);
 }
@@ -181,9 +160,9 @@ __device__ __forceinline__ void write_dk_dv(const float (&dk)[kCols / 2], const 
       const int col = col0 + ni * 8 + 2 * t;
       if (col >= head_dim) continue;
       *reinterpret_cast<uint32_t*>(dk_out + key * p.dk_stride.seq + col) =
-          sm80::pack2<Element>(dk[4 * ni + 2 * half] * p.scale, dk[4 * ni + 2 * half + 1] * p.scale);
+          cuda::pack2<Element>(dk[4 * ni + 2 * half] * p.scale, dk[4 * ni + 2 * half + 1] * p.scale);
       *reinterpret_cast<uint32_t*>(dv_out + key * p.dv_stride.seq + col) =
-          sm80::pack2<Element>(dv[4 * ni + 2 * half], dv[4 * ni + 2 * half + 1]);
+          cuda::pack2<Element>(dv[4 * ni + 2 * half], dv[4 * ni + 2 * half + 1]);
     }
   }
 }
@@ -205,7 +184,8 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   const int wg = tid >> 7;
   const int warp_row = ((tid >> 5) & 3) * 16;  // this warp's first row inside the warpgroup's 64
   const uint32_t k_addr = ptx::smem_addr(smem.k), v_addr = ptx::smem_addr(smem.v);
-  const int seqlen_k = (int)p.seqlen_k;
+  const Band& band = p.band;
+  const TileRange unmasked = band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM);  // steps the mask can skip
   const int key_lo = blk.n0 + 64 * wg + warp_row + g;  // keys of this thread's accumulator rows: key_lo, key_lo + 8
   float* dq_stage = smem.dq_staging(wg);
 
@@ -272,8 +252,8 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
     if constexpr (!kPreload) load_query_pairs<kQTiles>(stats, 0, t, lse);
-    const bool needs_mask = cuda::tile_needs_mask<kBlockN>(p, m0, blk.n_block);
-    probabilities_t<kQTiles>(s, lse, p, m0, 0, key_lo, seqlen_k, needs_mask, t);
+    const bool needs_mask = !unmasked.contains(cursor.m_index);
+    probabilities_t<kQTiles>(s, lse, p, band, m0, 0, key_lo, needs_mask, t);
     // dV needs only P: with 64-row steps it goes to the tensor cores behind dP^T and runs while dS is computed.
     // With 128-row steps P, dP and P's fragments would not fit in registers together: dV waits for dS.
     constexpr bool kDvBeforeDs = kBlockM == 64;

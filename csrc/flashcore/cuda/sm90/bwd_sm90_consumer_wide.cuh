@@ -19,12 +19,11 @@
 #include <cstdint>
 
 #include "../../params.h"
-#include "../fwd_block.cuh"  // tile_needs_mask
+#include "../common/pack.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../ptx/tma.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "../ptx/wgmma_sm90.cuh"
-#include "../sm80/fwd_sm80_mainloop.cuh"  // pack2
 #include "bwd_sm90_consumer.cuh"          // BwdRowStats, dq_staging_offset, kBwdConsumerBarrier
 #include "bwd_sm90_traits.cuh"
 #include "smem_desc.cuh"
@@ -51,7 +50,8 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
   const int wg = tid >> 7;
   const int warp_row = ((tid >> 5) & 3) * 16;  // this warp's first key (and dQ query) inside the block's 64
   const uint32_t k_addr = ptx::smem_addr(smem.k), v_addr = ptx::smem_addr(smem.v);
-  const int seqlen_k = (int)p.seqlen_k;
+  const Band& band = p.band;
+  const TileRange unmasked = band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM);  // steps the mask can skip
   const int key_lo = blk.n0 + warp_row + g;  // keys of this thread's accumulator rows: key_lo, key_lo + 8
   const int q_lo = kWgQueries * wg;          // first query (in the step) of this warpgroup's S^T columns
   // Byte offset of this warpgroup's first column span in a Q/dO tile (spans of kBlockM rows x 128 bytes).
@@ -99,8 +99,8 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
     load_query_pairs<kQTiles>(stats, q_lo, t, lse);
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
-    const bool needs_mask = cuda::tile_needs_mask<kBlockN>(p, m0, blk.n_block);
-    probabilities_t<kQTiles>(s, lse, p, m0, q_lo, key_lo, seqlen_k, needs_mask, t);
+    const bool needs_mask = !unmasked.contains(cursor.m_index);
+    probabilities_t<kQTiles>(s, lse, p, band, m0, q_lo, key_lo, needs_mask, t);
     load_query_pairs<kQTiles>(stats + kBlockM, q_lo, t, dsum_q);
     ptx::wgmma_wait<0>();
     ptx::fence_operand(dp);
@@ -116,9 +116,9 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
       for (int half = 0; half < 2; ++half) {
         const int off = Traits::DsTile::elem_offset(warp_row + g + 8 * half, q_lo + ni * 8 + 2 * t);
         *reinterpret_cast<uint32_t*>(pt + off) =
-            sm80::pack2<Element>(s[4 * ni + 2 * half], s[4 * ni + 2 * half + 1]);
+            cuda::pack2<Element>(s[4 * ni + 2 * half], s[4 * ni + 2 * half + 1]);
         *reinterpret_cast<uint32_t*>(ds + off) =
-            sm80::pack2<Element>(dp[4 * ni + 2 * half], dp[4 * ni + 2 * half + 1]);
+            cuda::pack2<Element>(dp[4 * ni + 2 * half], dp[4 * ni + 2 * half + 1]);
       }
     }
     if (step + 1 < blk.steps) row_stats.stage((step + 1) & 1, next_stat);

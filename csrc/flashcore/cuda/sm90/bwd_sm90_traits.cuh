@@ -5,7 +5,7 @@
 
 #include "../../params.h"
 #include "../ptx/warpgroup.cuh"
-#include "../sm80/smem_tile.cuh"
+#include "../common/smem_tile.cuh"
 #include "bwd_sm90_config.cuh"
 
 namespace flashcore::sm90 {
@@ -55,9 +55,9 @@ struct BwdSm90Traits {
   static constexpr int kDqChunks = kSplitHeadDim ? kWgCols / 64 : 1;
   static_assert(kDqSplitKeys || kTileCols / kWarpgroups == 64 * kDqChunks, "dQ chunks are m64n64");
 
-  using QTile = sm80::SmemTile<kBlockM, kTileCols>;   // Q and dO: rows = queries
-  using KVTile = sm80::SmemTile<kBlockN, kTileCols>;  // K and V: rows = keys
-  using DsTile = sm80::SmemTile<kBlockN, kBlockM>;   // dS^T: rows = keys, 64-query spans
+  using QTile = cuda::SmemTile<kBlockM, kTileCols>;   // Q and dO: rows = queries
+  using KVTile = cuda::SmemTile<kBlockN, kTileCols>;  // K and V: rows = keys
+  using DsTile = cuda::SmemTile<kBlockN, kBlockM>;   // dS^T: rows = keys, 64-query spans
   static constexpr uint32_t kQBytes = QTile::kElems * 2;
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
   static constexpr uint32_t kDsBytes = DsTile::kElems * 2;
@@ -184,14 +184,11 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p, int num_n_bloc
   blk.h_kv = h_kv;
   blk.group = p.group;
   blk.n0 = blk.n_block * kBlockN;
-  const int num_m_blocks = (int)((p.seqlen_q + kBlockM - 1) / kBlockM);
-  // With a causal mask, rows i >= n0 - causal_offset are the first to see a key of the block.
-  blk.m_begin = 0;
-  if (p.causal) {
-    const int64_t first_row = (int64_t)blk.n0 - p.causal_offset;
-    blk.m_begin = first_row <= 0 ? 0 : (int)(first_row / kBlockM < num_m_blocks ? first_row / kBlockM : num_m_blocks);
-  }
-  blk.m_count = num_m_blocks - blk.m_begin;
+  // The query blocks that see some key of the block (the mask's band).
+  const IndexRange m_tiles =
+      Band::tiles(p.band.queries_of_keys(blk.n0, (int64_t)blk.n0 + kBlockN, p.seqlen_q), kBlockM);
+  blk.m_begin = (int)m_tiles.begin;
+  blk.m_count = (int)m_tiles.size();
   blk.steps = (int)(p.group * blk.m_count);
   return blk;
 }

@@ -9,14 +9,14 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "../fwd_block.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../ptx/tma.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "../ptx/wgmma_sm90.cuh"
-#include "../sm80/fwd_sm80_mainloop.cuh"
-#include "../sm80/fwd_sm80_mask.cuh"
-#include "../sm80/fwd_sm80_softmax.cuh"
+#include "../common/fragment_mask.cuh"
+#include "../common/fwd_block.cuh"
+#include "../common/online_softmax.cuh"
+#include "../common/pack.cuh"
 #include "fwd_sm90_issue_turns.cuh"
 #include "fwd_sm90_split.cuh"
 #include "smem_desc.cuh"
@@ -48,7 +48,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   // Key blocks n_last, n_last - 1, ... (n_count of them: all of [0, blk.n_blocks) unless the block is one slice
   // of a key split).
   const int m0 = blk.m0, n_last = blk.n_blocks - 1, n_count = blk.n_blocks - blk.n_first;
-  const int seqlen_k = (int)p.seqlen_k;
+  const Band& band = p.band;
+  const TileRange unmasked = band.unmasked_key_tiles(m0, kBlockM, kBlockN);  // key tiles the mask can skip
 
   float o[1][kDTiles][4];
 #pragma unroll
@@ -56,7 +57,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
 #pragma unroll
     for (int e = 0; e < 4; ++e) o[0][di][e] = 0.f;
   float(&o_flat)[Traits::kHeadDim / 2] = *reinterpret_cast<float(*)[Traits::kHeadDim / 2]>(&o[0][0][0]);
-  sm80::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
+  cuda::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
   const int frag_row0 = m0 + warp_row0 + (lane >> 2);
   const int frag_col_in_tile = 2 * (lane & 3);
 
@@ -96,8 +97,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
 #pragma unroll
         for (int e = 0; e < 4; ++e) t[0][ni][e] *= p.scale_log2;
     }
-    if (cuda::tile_needs_mask<kBlockN>(p, m0, n_block))
-      sm80::apply_mask(t, frag_row0, n_block * kBlockN + frag_col_in_tile, seqlen_k, p.causal, p.causal_offset);
+    if (!unmasked.contains(n_block))
+      cuda::apply_mask(t, frag_row0, n_block * kBlockN + frag_col_in_tile, band);
     return softmax.step(t, softmax_scale, correction);
   };
   auto softmax_step = [&](int n_block, float (&correction)[2]) { return softmax_on(n_block, correction, s); };
@@ -105,10 +106,10 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   auto pack_from = [&](const STile& t) {
 #pragma unroll
     for (int kk = 0; kk < kBlockN / 16; ++kk) {
-      pa[kk][0] = sm80::pack2<Element>(t[0][2 * kk][0], t[0][2 * kk][1]);
-      pa[kk][1] = sm80::pack2<Element>(t[0][2 * kk][2], t[0][2 * kk][3]);
-      pa[kk][2] = sm80::pack2<Element>(t[0][2 * kk + 1][0], t[0][2 * kk + 1][1]);
-      pa[kk][3] = sm80::pack2<Element>(t[0][2 * kk + 1][2], t[0][2 * kk + 1][3]);
+      pa[kk][0] = cuda::pack2<Element>(t[0][2 * kk][0], t[0][2 * kk][1]);
+      pa[kk][1] = cuda::pack2<Element>(t[0][2 * kk][2], t[0][2 * kk][3]);
+      pa[kk][2] = cuda::pack2<Element>(t[0][2 * kk + 1][0], t[0][2 * kk + 1][1]);
+      pa[kk][3] = cuda::pack2<Element>(t[0][2 * kk + 1][2], t[0][2 * kk + 1][3]);
     }
   };
   auto pack_p = [&] { pack_from(s); };

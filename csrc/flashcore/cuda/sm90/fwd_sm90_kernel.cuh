@@ -26,7 +26,7 @@
 #include <cstdint>
 
 #include "../../params.h"
-#include "../fwd_block.cuh"
+#include "../common/fwd_block.cuh"
 #include "../ptx/cluster.cuh"
 #include "../ptx/grid_dependency.cuh"
 #include "../ptx/mbarrier.cuh"
@@ -59,13 +59,13 @@ __device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_bloc
     }
   } else if constexpr (Traits::kSplitKeys) {
     // Launched in clusters of num_splits blocks (1: no key split): cluster c computes tile c, its block of rank r
-    // the r-th of num_splits near-equal slices of the tile's key blocks.
+    // the r-th of num_splits near-equal slices of the tile's key blocks [n_first, n_blocks).
     auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)ptx::cluster_id_x());
     const int splits = (int)ptx::cluster_size();
     if (splits > 1) {
-      const int rank = (int)ptx::cluster_rank(), n = blk.n_blocks;
-      blk.n_first = n * rank / splits;
-      blk.n_blocks = n * (rank + 1) / splits;
+      const int rank = (int)ptx::cluster_rank(), first = blk.n_first, n = blk.n_blocks - blk.n_first;
+      blk.n_first = first + n * rank / splits;
+      blk.n_blocks = first + n * (rank + 1) / splits;
       blk.split_rank = rank;
       blk.num_splits = splits;
     }

@@ -11,7 +11,9 @@
 #include <cstdlib>
 #include <type_traits>
 
+#include "../../kernel_trace.h"
 #include "../../params.h"
+#include "../../switches.h"
 #include "../launch_utils.cuh"
 #include "fwd_sm90_kernel.cuh"
 #include "tma_desc.h"
@@ -25,29 +27,25 @@ namespace flashcore::sm90 {
 // 1x4x512x64 (T = 4, s = 2, 64 blocks) 5.18 -> 4.72, 1x8x512x64 (s = 2, 128 blocks) 5.27 -> 5.41, 1x4x1024x64
 // (T = 8, s = 4, 128 blocks) 8.67 -> 7.18, 1x8x64/4096x64 (T = 32, s = 8, 64 blocks) 27.1 -> 8.8. Taken: the s, up
 // to kMaxKeySplits, that saves the most by that estimate, among those whose clusters all fit on the GPU at once
-// (max_clusters(s): resident clusters of s blocks); 1 if none saves. FLASHCORE_KEY_SPLITS=n caps s (1: no split),
-// read per call like the other switches, so benchmarks and tests can compare.
+// (max_clusters(s): resident clusters of s blocks); 1 if none saves. FLASHCORE_KEY_SPLITS=n caps s (1: no split;
+// switches.h), so benchmarks and tests can compare.
 constexpr double kSplitFixedTiles = 1.0, kSplitPerRankTiles = 0.5, kSplitFullGpuTiles = 1.5;
 
-// Key tiles of block_n keys in a tile's longest walk: the last query block's under a causal mask.
-inline int64_t longest_walk_tiles(const FwdParams& p, int block_n) {
-  int64_t keys = p.seqlen_k;
-  if (p.causal) {
-    const int64_t visible = p.seqlen_q + p.causal_offset;
-    keys = visible < keys ? (visible > 0 ? visible : 0) : keys;
-  }
+// Key tiles of block_n keys in a tile's longest walk (at most): the keys any query sees, and no more than one
+// query tile of block_m rows can see through the mask's band.
+inline int64_t longest_walk_tiles(const FwdParams& p, int block_m, int block_n) {
+  const Band& band = p.band;
+  int64_t keys = band.keys_of_queries(0, p.seqlen_q).size();
+  const int64_t band_keys = band.hi - band.lo + block_m;
+  if (band_keys < keys) keys = band_keys;
   return (keys + block_n - 1) / block_n;
 }
 
 template <typename Traits, typename MaxClusters>
 int pick_key_splits(const FwdParams& p, int64_t num_tiles, int num_sms, MaxClusters&& max_clusters) {
   int cap = Traits::kMaxKeySplits;
-  if (const char* env = std::getenv("FLASHCORE_KEY_SPLITS")) {
-    const int n = std::atoi(env);
-    TORCH_CHECK(n >= 1, "flashcore: FLASHCORE_KEY_SPLITS must be a positive integer, got '", env, "'");
-    cap = n < cap ? n : cap;
-  }
-  const int64_t key_tiles = longest_walk_tiles(p, Traits::kBlockN);
+  if (const int n = key_split_cap(); n > 0 && n < cap) cap = n;
+  const int64_t key_tiles = longest_walk_tiles(p, Traits::kBlockM, Traits::kBlockN);
   int best = 1;
   double best_saving = 0.0;
   for (int s = 2; s <= cap; ++s) {
@@ -98,14 +96,15 @@ void launch_fwd_grid(const FwdParams& p, int num_sms, cudaStream_t stream, int s
   // memory allows no more) walks tiles gridDim.x apart, so the next tile's K/V loads overlap this tile's epilogue:
   // that pays where a tile's key loop is short and its prologue/epilogue a large share (16x16x2048x128: +8-15 %).
   // It is not used (one block per tile, handed out by the hardware in fwd_block's order) when
-  //  - a causal mask makes tile costs differ by up to Sk/kBlockN times: a static split is unbalanced
+  //  - a causal (banded) mask makes tile costs differ by up to Sk/kBlockN times: a static split is unbalanced
   //    (4x16x8192x256 causal: -20 %), while the hardware gives the next tile, heaviest first, to the SM that frees;
   //  - K/V of a head exceed 1 MiB: the prologue/epilogue are a small share of a long tile (8k hdim 128: no gain),
   //    and blocks that drift apart across heads may lose L2 reuse of K/V (4x16x8192x256: -8 %, measured in a
   //    build where the loop also made head dim 256 spill; that head dim is now built without it).
   const bool persistent =
-      Traits::kPersistent && !p.causal && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
+      Traits::kPersistent && !p.mask.banded() && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
   const int64_t grid = (persistent && num_tiles > num_sms) ? num_sms : num_tiles * splits;
+  record_kernel(Pass::kFwd, KernelTrace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, splits, Traits::kCompact});
   static cuda::PdlSupport pdl;
   cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, (unsigned)splits, p,
                       tm_q, tm_k, tm_v, tm_o, num_m_blocks, (int)num_tiles);
@@ -124,7 +123,7 @@ void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
     const int splits = pick_key_splits<Traits>(p, num_tiles, num_sms, [&](int s) {
       return cuda::max_active_clusters(kernel, dim3(Traits::kNThreads), kSmem, (unsigned)s, occupancy);
     });
-    if (splits == 1 && longest_walk_tiles(p, Traits::kBlockN) < Traits::kDeepMinTiles) {
+    if (splits == 1 && longest_walk_tiles(p, Traits::kBlockM, Traits::kBlockN) < Traits::kDeepMinTiles) {
       using Compact = FwdSm90Traits<Traits::kHeadDim, Element, 1, Traits::kBlockN, true>;
       launch_fwd_grid<Compact>(p, num_sms, stream, 1);
       return;
@@ -153,7 +152,7 @@ template <int kHeadDim, typename Element, int kWarpgroups>
 void launch_fwd_width(const FwdParams& p, int num_sms, cudaStream_t stream) {
   using Config = FwdSm90Config<kHeadDim>;
   if constexpr (Config::kBlockNNonCausal != Config::kBlockN) {
-    if (!p.causal && p.seqlen_k >= Config::kWideMinKeys) {
+    if (!p.mask.banded() && p.seqlen_k >= Config::kWideMinKeys) {
       launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWarpgroups, Config::kBlockNNonCausal>>(p, num_sms, stream);
       return;
     }

@@ -9,7 +9,7 @@
 
 #include <cuda.h>
 
-#include "../fwd_block.cuh"
+#include "../common/fwd_block.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../ptx/tma.cuh"
 #include "fwd_sm90_traits.cuh"

@@ -24,7 +24,7 @@
 #include <cmath>
 #include <cstdint>
 
-#include "../fwd_block.cuh"
+#include "../common/fwd_block.cuh"
 #include "../ptx/cluster.cuh"
 #include "../ptx/ldmatrix.cuh"  // smem_addr
 #include "../ptx/mbarrier.cuh"

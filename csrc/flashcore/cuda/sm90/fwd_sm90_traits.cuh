@@ -4,7 +4,7 @@
 #include <cstdint>
 
 #include "../ptx/warpgroup.cuh"
-#include "../sm80/smem_tile.cuh"
+#include "../common/smem_tile.cuh"
 #include "fwd_sm90_config.cuh"
 
 namespace flashcore::sm90 {
@@ -81,8 +81,8 @@ struct FwdSm90Traits {
   static constexpr int kSpans = kTileCols / 64;  // TMA boxes per tile
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
 
-  using QTile = sm80::SmemTile<kBlockM, kTileCols>;
-  using KVTile = sm80::SmemTile<kBlockN, kTileCols>;
+  using QTile = cuda::SmemTile<kBlockM, kTileCols>;
+  using KVTile = cuda::SmemTile<kBlockN, kTileCols>;
   static constexpr uint32_t kQBytes = QTile::kElems * 2;
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
   static_assert((kMaxKeySplits - 1) * kPartialBytes <= 2 * kStages * kKVBytes, "partial results overflow the ring");

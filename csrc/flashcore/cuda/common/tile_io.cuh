@@ -12,7 +12,7 @@
 #include "../ptx/ldmatrix.cuh"
 #include "smem_tile.cuh"
 
-namespace flashcore::sm80 {
+namespace flashcore::cuda {
 
 // Asynchronous (cp.async) load; the caller commits the group. Consecutive threads take consecutive 16-byte
 // chunks of a row, so each warp's global reads are coalesced.
@@ -71,4 +71,4 @@ __device__ __forceinline__ void store_tile(const Element* smem, Element* gmem, i
   }
 }
 
-}  // namespace flashcore::sm80
+}  // namespace flashcore::cuda

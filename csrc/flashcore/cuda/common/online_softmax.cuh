@@ -10,7 +10,7 @@
 
 #include <cmath>
 
-namespace flashcore::sm80 {
+namespace flashcore::cuda {
 
 __device__ __forceinline__ float quad_max(float x) {
   x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, 1));
@@ -139,4 +139,4 @@ struct OnlineSoftmax {
   }
 };
 
-}  // namespace flashcore::sm80
+}  // namespace flashcore::cuda

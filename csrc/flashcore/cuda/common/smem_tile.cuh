@@ -8,7 +8,7 @@
 //   64-byte rows : two rows share a line; (r % 2) picks the half, swizzle(r) = (r / 2) % 4 the chunk in it.
 #pragma once
 
-namespace flashcore::sm80 {
+namespace flashcore::cuda {
 
 template <int kRows, int kCols>
 struct SmemTile {
@@ -33,4 +33,4 @@ struct SmemTile {
   }
 };
 
-}  // namespace flashcore::sm80
+}  // namespace flashcore::cuda

@@ -4,9 +4,10 @@
 
 #include <cstdint>
 
-#include "../params.h"
-#include "sm80/fwd_sm80_mainloop.cuh"  // pack2
-#include "sm80/tile_io.cuh"
+#include "../../mask.h"
+#include "../../params.h"
+#include "pack.cuh"
+#include "tile_io.cuh"
 
 namespace flashcore::cuda {
 
@@ -15,10 +16,11 @@ struct FwdBlock {
   int64_t bh;     // b * heads_q + h: also the row of lse
   int b, h, h_kv;  // batch, query head, key/value head
   int m0;         // first query row of the block
-  int n_blocks;   // key blocks [0, n_blocks) may be visible from some row of the block
-  // The block visits key blocks [n_first, n_blocks), last first. n_first > 0 only in a key split (sm90
-  // one-warpgroup blocks): block split_rank of num_splits sharing the query tile, whose partial results merge.
+  // Key blocks [n_first, n_blocks) may be visible from some row of the block (the mask's band), visited last
+  // first. In a key split (sm90 one-warpgroup blocks) it is the slice of block split_rank of num_splits sharing
+  // the query tile, whose partial results merge.
   int n_first = 0;
+  int n_blocks;
   int split_rank = 0, num_splits = 1;
   const Element* q;
   const Element* k;
@@ -47,27 +49,15 @@ __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int n
   blk.k = static_cast<const Element*>(p.k) + blk.b * p.k_stride.batch + blk.h_kv * p.k_stride.head;
   blk.v = static_cast<const Element*>(p.v) + blk.b * p.v_stride.batch + blk.h_kv * p.v_stride.head;
   blk.out = static_cast<Element*>(p.out) + blk.b * p.out_stride.batch + blk.h * p.out_stride.head;
-  int64_t n_end = p.seqlen_k;
-  if (p.causal) {
-    const int64_t last_visible = (int64_t)blk.m0 + kBlockM - 1 + p.causal_offset;  // of the block's last row
-    n_end = last_visible + 1 < n_end ? last_visible + 1 : n_end;
-    if (n_end < 0) n_end = 0;
-  }
-  blk.n_blocks = (int)((n_end + kBlockN - 1) / kBlockN);
+  const IndexRange tiles = Band::tiles(p.band.keys_of_queries(blk.m0, (int64_t)blk.m0 + kBlockM), kBlockN);
+  blk.n_first = (int)tiles.begin;
+  blk.n_blocks = (int)tiles.end;
   return blk;
 }
 
 template <typename Element, int kBlockM, int kBlockN>
 __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks) {
   return fwd_block<Element, kBlockM, kBlockN>(p, num_m_blocks, (int)blockIdx.x);
-}
-
-// Key tile [n_block * kBlockN, +kBlockN) needs masking for some row of the block: it crosses the sequence end, or
-// it reaches past the causal limit of the block's first row (the smallest limit).
-template <int kBlockN>
-__device__ __forceinline__ bool tile_needs_mask(const FwdParams& p, int m0, int n_block) {
-  const int64_t tile_end = (int64_t)(n_block + 1) * kBlockN;
-  return tile_end > p.seqlen_k || (p.causal && tile_end > (int64_t)m0 + p.causal_offset + 1);
 }
 
 // One row of this warp's normalized O fragments (C layout: row `row` of the block, values `half` of each n8 tile of
@@ -78,7 +68,7 @@ __device__ __forceinline__ void stage_output_row(const float (&o)[kMTiles][kDTil
   const int frag_col = 2 * (lane & 3);
 #pragma unroll
   for (int di = 0; di < kDTiles; ++di) {
-    const uint32_t packed = sm80::pack2<Element>(o[mi][di][2 * half], o[mi][di][2 * half + 1]);
+    const uint32_t packed = pack2<Element>(o[mi][di][2 * half], o[mi][di][2 * half + 1]);
     *reinterpret_cast<uint32_t*>(sQ + QTile::elem_offset(row, di * 8 + frag_col)) = packed;
   }
 }
@@ -143,7 +133,7 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
                                              int warp_row0, int lane, Sync sync = Sync{}) {
   stage_output<QTile>(o, lse, sQ, blk, p, warp_row0, lane);
   sync();
-  sm80::store_tile<QTile, kNThreads>(sQ, blk.out, p.out_stride.seq, blk.m0, (int)p.seqlen_q, (int)p.head_dim);
+  store_tile<QTile, kNThreads>(sQ, blk.out, p.out_stride.seq, blk.m0, (int)p.seqlen_q, (int)p.head_dim);
 }
 
 }  // namespace flashcore::cuda

@@ -1,0 +1,24 @@
+// Which kernel the last call ran (process-wide), per pass: tests assert the path they meant to test (a forced
+// family that fell back, a key split that did not happen), benchmarks label their rows. Recorded at launch by the
+// dispatchers and launchers (a few stores); read through flashcore.last_kernel("fwd" | "bwd").
+#pragma once
+
+#include <string>
+
+namespace flashcore {
+
+enum class Pass { kFwd, kBwd };
+
+struct KernelTrace {
+  const char* family = "none";  // "cpu", "sm80", "sm90", "composite", or "none" (nothing ran: empty inputs)
+  int head_dim_tile = 0;        // CUDA kernels: the compiled head-dim tile
+  int warpgroups = 0;           // sm90 forward: consumer warpgroups a block
+  int key_splits = 1;           // sm90 forward: blocks a query tile (1: no split)
+  bool compact = false;         // sm90 forward: the compact one-warpgroup variant
+};
+
+void record_kernel(Pass pass, const KernelTrace& trace);
+// "sm90 hdim128 wg2 splits1", "cpu", "composite", "none", ...
+std::string last_kernel(Pass pass);
+
+}  // namespace flashcore

@@ -1,0 +1,48 @@
+#include "switches.h"
+
+#include <c10/util/Exception.h>
+
+#include <cstdlib>
+#include <cstring>
+
+namespace flashcore {
+namespace {
+
+const char* env(const char* name) { return std::getenv(name); }
+
+}  // namespace
+
+std::string forced_fwd_family() {
+  const char* v = env("FLASHCORE_FORCE_KERNEL");
+  return v ? std::string(v) : std::string();
+}
+
+std::string forced_bwd_path() {
+  const char* v = env("FLASHCORE_FORCE_BWD");
+  return v ? std::string(v) : std::string();
+}
+
+int key_split_cap() {
+  const char* v = env("FLASHCORE_KEY_SPLITS");
+  if (v == nullptr) return 0;
+  const int n = std::atoi(v);
+  TORCH_CHECK(n >= 1, "flashcore: FLASHCORE_KEY_SPLITS must be a positive integer, got '", v, "'");
+  return n;
+}
+
+bool pdl_allowed() {
+  const char* v = env("FLASHCORE_PDL");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
+bool poison_outputs() {
+  const char* v = env("FLASHCORE_POISON");
+  return v != nullptr && std::strcmp(v, "0") != 0;
+}
+
+bool cpu_isa_forced_portable() {
+  const char* v = env("FLASHCORE_CPU_ISA");
+  return v != nullptr && std::strcmp(v, "portable") == 0;
+}
+
+}  // namespace flashcore

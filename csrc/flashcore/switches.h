@@ -1,0 +1,24 @@
+// Run-time switches for tests, ablations and benchmarks, read from the environment in this one place. Each is read
+// when asked (per call, a getenv each), so a test can set it between calls.
+//   FLASHCORE_FORCE_KERNEL=sm80|sm90            forward kernel family (CUDA)
+//   FLASHCORE_FORCE_BWD=composite|sm80|sm90     backward path (CUDA)
+//   FLASHCORE_KEY_SPLITS=n                      at most n blocks per query tile in the sm90 key split (1: none)
+//   FLASHCORE_PDL=0                             no programmatic dependent launch
+//   FLASHCORE_CPU_ISA=portable                  the CPU kernels' baseline code instead of AVX2 (read once a process)
+//   FLASHCORE_POISON=1                          fill outputs and workspaces with NaN before the kernels run, so a
+//                                               kernel that leaves an element unwritten fails the tests (on in the
+//                                               test suite)
+#pragma once
+
+#include <string>
+
+namespace flashcore {
+
+std::string forced_fwd_family();  // "" when not forced
+std::string forced_bwd_path();    // "" when not forced
+int key_split_cap();              // 0 when not capped; throws on a malformed value
+bool pdl_allowed();
+bool poison_outputs();
+bool cpu_isa_forced_portable();
+
+}  // namespace flashcore
