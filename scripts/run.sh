@@ -19,7 +19,8 @@ fi
 py="$venv/bin/python"
 echo "[flashcore] installing dependencies into $venv" >&2
 "$py" -m pip install -q --upgrade pip
-"$py" -m pip install -q "torch==2.11.0" "setuptools>=64" wheel ninja pytest numpy matplotlib
+"$py" -m pip install -q "torch==2.11.0" "setuptools>=64" wheel ninja pytest numpy matplotlib \
+  nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
 
 echo "[flashcore] building the extension (MAX_JOBS=${MAX_JOBS:-$(nproc)})" >&2
 start=$(date +%s)
