@@ -59,12 +59,12 @@ def _gencode_flags(archs):
 
 
 def _instantiation_selected(path, archs, headdims, dtypes):
-    # File names follow csrc/flashcore/cuda/instantiations/<pass>_<family>_hdim<D>_<dtype>.cu (see generate.py
+    # File names follow csrc/flashcore/cuda/instantiations/<pass>_<family>_hdim<D>_<dtype>[_mod].cu (see generate.py
     # there). The sm90 (wgmma) family exists only in sm_90a code, so it is built only with that target.
     name = os.path.basename(path)
     if "_sm90_" in name and "90a" not in archs:
         return False
-    m = re.search(r"_hdim(\d+)_(fp16|bf16)\.cu$", name)
+    m = re.search(r"_hdim(\d+)_(fp16|bf16)(_mod)?\.cu$", name)
     return m is None or (m.group(1) in headdims and m.group(2) in dtypes)
 
 

@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["attention", "flash_attn_func", "fwd_kernel_name", "bwd_kernel_name", "last_kernel"]
+__all__ = ["attention", "fwd_kernel_name", "bwd_kernel_name", "last_kernel"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -23,17 +23,18 @@ __all__ = ["attention", "flash_attn_func", "fwd_kernel_name", "bwd_kernel_name",
 
 @torch.library.register_fake("flashcore::fwd")
 def _fwd_fake(query, key, value, softmax_scale, is_causal=False, causal_bottom_right=False, window_left=-1,
-              window_right=-1, softcap=0.0, deterministic=False):
+              window_right=-1, softcap=0.0, deterministic=False, sinks=None, alibi_slopes=None):
     torch._check(query.dim() == 4, lambda: f"flashcore: query must be 4-D; got {query.dim()}-D")
     torch._check(key.dim() == 4 and value.dim() == 4, lambda: "flashcore: key and value must be 4-D")
     out = torch.empty_like(query)
-    lse = query.new_empty((query.size(0), query.size(1), query.size(2)), dtype=torch.float32)
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    lse = query.new_empty((query.size(0), query.size(1), query.size(2)), dtype=lse_dtype)
     return out, lse
 
 
 @torch.library.register_fake("flashcore::bwd")
 def _bwd_fake(grad_out, query, key, value, out, lse, softmax_scale, is_causal=False, causal_bottom_right=False,
-              window_left=-1, window_right=-1, softcap=0.0, deterministic=False):
+              window_left=-1, window_right=-1, softcap=0.0, deterministic=False, alibi_slopes=None):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
@@ -51,9 +52,33 @@ _fwd_op = torch.ops.flashcore.fwd.default
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _check_tensor(t, name):
+def _check_tensor(t, name, fn="flashcore.attention"):
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"flashcore.attention: {name} must be a torch.Tensor; got {type(t).__name__}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(t).__name__}")
+
+
+def window_pair(window_size, fn) -> tuple[int, int]:
+    """(left, right) from None, a pair of ints, or a 2-element tensor/list (flash-attn code passes all three)."""
+    if window_size is None:
+        return -1, -1
+    if isinstance(window_size, torch.Tensor):
+        window_size = window_size.tolist()
+    try:
+        left, right = (int(x) for x in window_size)
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints, -1 for unbounded; got "
+                        f"{window_size!r}") from None
+    return left, right
+
+
+def pad_head_dim(tensors, multiple=8):
+    """Zero-pads the last dim of each tensor to a multiple of `multiple` (the CUDA kernels' granularity), as
+    flash-attn does for any head dim up to 256; returns (tensors, original head dim)."""
+    d = tensors[0].size(-1)
+    extra = -d % multiple
+    if extra == 0 or not tensors[0].is_cuda:
+        return tensors, d
+    return [torch.nn.functional.pad(t, (0, extra)) for t in tensors], d
 
 
 def attention(
@@ -68,6 +93,10 @@ def attention(
     *,
     return_lse: bool = False,
     deterministic: bool = False,
+    window_size=None,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
 ):
     """Exact fused attention with the semantics of ``torch.nn.functional.scaled_dot_product_attention``.
 
@@ -77,18 +106,24 @@ def attention(
     enable_gqa=True, Hq may be a multiple of Hkv (grouped-query attention; K/V are never copied per head).
     attn_mask and dropout_p exist for drop-in compatibility and must be None and 0.
 
+    Variants (aligned top-left like is_causal; flash_attn_func aligns them bottom-right):
+      window_size=(left, right): query i sees keys i - left .. i + right (-1: unbounded on that side);
+      softcap > 0: scores become softcap * tanh(score / softcap) (after the scale);
+      sinks: float32 (Hq,), each row's softmax denominator gains exp(sinks[h]) (differentiable);
+      alibi_slopes: float32 (Hq,) or (B, Hq), scores gain -slope * |i + Sk - Sq - j| (not differentiable).
+
     deterministic=True makes the backward bitwise reproducible run to run (on CUDA it then sums dQ without
     atomics, at a large cost in speed: docs/PERFORMANCE.md); torch.use_deterministic_algorithms(True) does the same
     for every call. The forward is always deterministic.
 
     Returns out (shape and dtype of query), or (out, lse) with return_lse=True, lse being the float32
-    (B, Hq, Sq) natural-log log-sum-exp of each row of scaled scores (not differentiable).
+    (B, Hq, Sq) natural-log log-sum-exp of each row of logits, sinks included (not differentiable).
     """
     _check_tensor(query, "query")
     _check_tensor(key, "key")
     _check_tensor(value, "value")
     if attn_mask is not None:
-        raise NotImplementedError("flashcore.attention: attn_mask is not supported; use is_causal for causal masks")
+        raise NotImplementedError("flashcore.attention: attn_mask is not supported; use is_causal or window_size")
     if dropout_p != 0.0:
         raise NotImplementedError("flashcore.attention: dropout_p must be 0 (dropout is not supported)")
     if query.dim() != key.dim() or query.dim() != value.dim():
@@ -109,34 +144,19 @@ def attention(
             f"flashcore.attention: query has {query.size(1)} heads but key has {key.size(1)}; pass enable_gqa=True "
             "for grouped-query attention"
         )
+    left, right = window_pair(window_size, "flashcore.attention")
     if scale is None:
         head_dim = query.size(-1)
         softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
         softmax_scale = float(scale)
-    out, lse = _fwd_op(query, key, value, softmax_scale, bool(is_causal), False, -1, -1, 0.0, bool(deterministic))
+    (query, key, value), head_dim = pad_head_dim([query, key, value])
+    out, lse = _fwd_op(query, key, value, softmax_scale, bool(is_causal), False, left, right, float(softcap),
+                       bool(deterministic), sinks, alibi_slopes)
+    if out.size(-1) != head_dim:
+        out = out[..., :head_dim]
     if squeeze:
         out, lse = out.squeeze(1), lse.squeeze(1)
-    return (out, lse) if return_lse else out
-
-
-def flash_attn_func(q, k, v, softmax_scale=None, causal=False, return_lse=False, deterministic=False):
-    """flash-attn style call: q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) (BSHD), causal aligned bottom-right
-    (query i sees keys j <= i + Sk - Sq), GQA whenever Hq is a multiple of Hkv. Returns out in BSHD
-    (and lse (B, Hq, Sq) with return_lse=True)."""
-    _check_tensor(q, "q")
-    _check_tensor(k, "k")
-    _check_tensor(v, "v")
-    for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if t.dim() != 4:
-            raise RuntimeError(f"flashcore.flash_attn_func: {name} must be 4-D (batch, seq_len, heads, head_dim)")
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
-    out, lse = _fwd_op(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), float(softmax_scale), bool(causal), bool(causal),
-        -1, -1, 0.0, bool(deterministic),
-    )
-    out = out.transpose(1, 2)
     return (out, lse) if return_lse else out
 
 

@@ -31,7 +31,21 @@ void check_one(const at::Tensor& t, const char* name, const BackendLimits& limit
               ". Call .contiguous() on it first.");
 }
 
-void check_common(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const MaskOptions& o,
+// An optional per-head float32 vector of the call: (heads_q,), or (batch, heads_q) when allow_batch.
+void check_head_vector(const at::Tensor& t, const char* name, const at::Tensor& query, bool allow_batch) {
+  if (!t.defined()) return;
+  const int64_t B = query.size(0), Hq = query.size(1);
+  TORCH_CHECK(t.scalar_type() == at::kFloat, "flashcore: ", name, " must be float32; got ", dtype_name(t.scalar_type()));
+  TORCH_CHECK(t.device() == query.device(), "flashcore: ", name, " is on ", t.device(), " but query is on ",
+              query.device());
+  const bool per_head = t.dim() == 1 && t.size(0) == Hq;
+  const bool per_batch_head = allow_batch && t.dim() == 2 && t.size(0) == B && t.size(1) == Hq;
+  TORCH_CHECK(per_head || per_batch_head, "flashcore: ", name, " must have shape (heads_q,) = (", Hq, ",)",
+              allow_batch ? " or (batch, heads_q) = (" + std::to_string(B) + ", " + std::to_string(Hq) + ")" : "",
+              "; got ", t.sizes());
+}
+
+void check_common(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const AttentionOptions& o,
                   const BackendLimits& limits) {
   check_one(query, "query", limits);
   check_one(key, "key", limits);
@@ -68,11 +82,14 @@ void check_common(const at::Tensor& query, const at::Tensor& key, const at::Tens
               "up to ", limits.max_head_dim);
 
   TORCH_CHECK(std::isfinite(o.softmax_scale), "flashcore: scale must be finite; got ", o.softmax_scale);
-  TORCH_CHECK(!(o.causal_bottom_right && !o.is_causal),
-              "flashcore: causal_bottom_right=True needs is_causal=True");
-  TORCH_CHECK_NOT_IMPLEMENTED(o.window_left < 0 && o.window_right < 0,
-                              "flashcore: sliding-window attention (window_left/window_right) is not implemented yet");
-  TORCH_CHECK_NOT_IMPLEMENTED(o.softcap == 0.0, "flashcore: softcap is not implemented yet");
+  TORCH_CHECK(o.window_left >= -1, "flashcore: window_left (window_size[0]) must be -1 (unbounded) or >= 0; got ",
+              o.window_left);
+  TORCH_CHECK(o.window_right >= -1, "flashcore: window_right (window_size[1]) must be -1 (unbounded) or >= 0; got ",
+              o.window_right);
+  TORCH_CHECK(std::isfinite(o.softcap) && o.softcap >= 0.0, "flashcore: softcap must be finite and >= 0 (0: off); got ",
+              o.softcap);
+  check_head_vector(o.sinks, "sinks", query, /*allow_batch=*/false);
+  check_head_vector(o.alibi_slopes, "alibi_slopes", query, /*allow_batch=*/true);
 }
 
 void check_same_shape(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
@@ -93,19 +110,36 @@ Strides strides_of(const at::Tensor& t) {
 
 }  // namespace
 
+AttentionOptions make_options(double softmax_scale, bool is_causal, bool causal_bottom_right, int64_t window_left,
+                              int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks,
+                              const std::optional<at::Tensor>& alibi_slopes) {
+  AttentionOptions o{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap, {}, {}};
+  // The kernels index the vectors with their strides (ALiBi) or contiguously (sinks, one float a head).
+  if (sinks.has_value() && sinks->defined()) o.sinks = sinks->dim() == 1 ? sinks->contiguous() : *sinks;
+  if (alibi_slopes.has_value() && alibi_slopes->defined()) o.alibi_slopes = *alibi_slopes;
+  return o;
+}
+
+bool transforms_scores(const AttentionOptions& o) {
+  return o.softcap > 0.0 || o.alibi_slopes.defined() || !(static_cast<float>(o.softmax_scale) > 0.f);
+}
+
 void check_fwd_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                      const MaskOptions& opts, const BackendLimits& limits) {
+                      const AttentionOptions& opts, const BackendLimits& limits) {
   check_common(query, key, value, opts, limits);
 }
 
 void check_bwd_inputs(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
                       const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
-                      const MaskOptions& opts, const BackendLimits& limits) {
+                      const AttentionOptions& opts, const BackendLimits& limits) {
   check_common(query, key, value, opts, limits);
   check_same_shape(grad_out, query, "grad_out", "query");
   check_same_shape(out, query, "out", "query");
   TORCH_CHECK(lse.defined(), "flashcore: lse is undefined (None)");
-  TORCH_CHECK(lse.scalar_type() == at::kFloat, "flashcore: lse must be float32; got ", dtype_name(lse.scalar_type()));
+  const auto lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(lse.scalar_type() == lse_dtype, "flashcore: lse must be ",
+              lse_dtype == at::kDouble ? "float64 (as fwd returns it for float64 inputs)" : "float32", "; got ",
+              dtype_name(lse.scalar_type()));
   TORCH_CHECK(lse.device() == query.device(), "flashcore: lse is on ", lse.device(), " but query is on ",
               query.device());
   TORCH_CHECK(lse.dim() == 3 && lse.size(0) == query.size(0) && lse.size(1) == query.size(1) &&
@@ -125,7 +159,9 @@ std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& query) {
   // empty_like keeps query's strides when query is dense (so BSHD in gives BSHD out), else gives contiguous.
   // The fake (meta) implementation in flashcore/ops.py uses the same rule.
   at::Tensor out = at::empty_like(query);
-  at::Tensor lse = at::empty({query.size(0), query.size(1), query.size(2)}, query.options().dtype(at::kFloat));
+  // float32, or float64 for float64 inputs (their LSE keeps float64 exactness: the backward and ring merges use it)
+  const auto lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor lse = at::empty({query.size(0), query.size(1), query.size(2)}, query.options().dtype(lse_dtype));
   poison_if_enabled({out, lse});
   return {out, lse};
 }
@@ -138,13 +174,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_bwd_outputs(const at::Tenso
 }
 
 FwdParams make_fwd_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                          const at::Tensor& out, const at::Tensor& lse, const MaskOptions& opts) {
+                          const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& opts) {
   FwdParams p;
   p.q = query.data_ptr();
   p.k = key.data_ptr();
   p.v = value.data_ptr();
   p.out = out.defined() ? out.data_ptr() : nullptr;
-  p.lse = lse.defined() ? lse.data_ptr<float>() : nullptr;
+  if (lse.defined() && lse.scalar_type() == at::kDouble)
+    p.lse64 = lse.data_ptr<double>();
+  else
+    p.lse = lse.defined() ? lse.data_ptr<float>() : nullptr;
   p.q_stride = strides_of(query);
   p.k_stride = strides_of(key);
   p.v_stride = strides_of(value);
@@ -167,13 +206,27 @@ FwdParams make_fwd_params(const at::Tensor& query, const at::Tensor& key, const 
   p.mask.window_left = opts.window_left;
   p.mask.window_right = opts.window_right;
   p.band = p.mask.band(p.seqlen_q, p.seqlen_k);
+  ScoreParams& sp = p.score;
+  if (opts.softcap > 0.0) {
+    sp.softcap = static_cast<float>(opts.softcap);
+    sp.softcap_inv = static_cast<float>(opts.softmax_scale / opts.softcap);
+    sp.softcap_log2 = static_cast<float>(opts.softcap * 1.4426950408889634);
+  }
+  if (opts.alibi_slopes.defined()) {
+    const at::Tensor& a = opts.alibi_slopes;
+    sp.alibi_slopes = a.data_ptr<float>();
+    sp.alibi_stride_batch = a.dim() == 2 ? a.stride(0) : 0;
+    sp.alibi_stride_head = a.stride(-1);
+  }
+  sp.alibi_offset = p.seqlen_k - p.seqlen_q;
+  sp.sinks = opts.sinks.defined() ? opts.sinks.data_ptr<float>() : nullptr;
   return p;
 }
 
 BwdParams make_bwd_params(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
                           const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
                           const at::Tensor& grad_query, const at::Tensor& grad_key, const at::Tensor& grad_value,
-                          const MaskOptions& opts, bool deterministic) {
+                          const AttentionOptions& opts, bool deterministic) {
   BwdParams p;
   static_cast<FwdParams&>(p) = make_fwd_params(query, key, value, out, lse, opts);
   p.dout = grad_out.data_ptr();

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <initializer_list>
+#include <optional>
 #include <tuple>
 
 #include "params.h"
@@ -20,27 +21,38 @@ struct BackendLimits {
   int64_t head_dim_multiple; // head_dim must be a multiple of this
 };
 
-// Options shared by the forward and backward schemas.
-struct MaskOptions {
+// Options shared by the forward and backward schemas. sinks/alibi_slopes: undefined when absent.
+struct AttentionOptions {
   double softmax_scale;
   bool is_causal;
-  bool causal_bottom_right;
+  bool causal_bottom_right;  // aligns the causal diagonal and the window bottom-right (flash-attn), else top-left
   int64_t window_left;
   int64_t window_right;
   double softcap;
+  at::Tensor sinks;         // (heads_q,) float32
+  at::Tensor alibi_slopes;  // (heads_q,) or (batch, heads_q) float32
 };
+
+AttentionOptions make_options(double softmax_scale, bool is_causal, bool causal_bottom_right, int64_t window_left,
+                              int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks,
+                              const std::optional<at::Tensor>& alibi_slopes);
+
+// Whether the call's scores are transformed before the softmax (ScoreParams::transforms: softcap, ALiBi, a scale
+// that is not positive): the CUDA dispatchers then pick the kernels' score-mod variants.
+bool transforms_scores(const AttentionOptions& o);
 
 // Validates query/key/value (logical (B, H, S, D), last dim contiguous) against the backend's limits and the
 // options; throws c10::Error (Python: RuntimeError/ValueError/NotImplementedError) naming the argument.
 void check_fwd_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                      const MaskOptions& opts, const BackendLimits& limits);
+                      const AttentionOptions& opts, const BackendLimits& limits);
 
-// Also checks grad_out/out (shape and dtype of query) and lse ((B, Hq, Sq) float32).
+// Also checks grad_out/out (shape and dtype of query) and lse ((B, Hq, Sq) float32; float64 for float64 inputs).
 void check_bwd_inputs(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
                       const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
-                      const MaskOptions& opts, const BackendLimits& limits);
+                      const AttentionOptions& opts, const BackendLimits& limits);
 
-// Allocates out (same layout as query when query is dense, else contiguous) and lse (B, Hq, Sq) float32.
+// Allocates out (same layout as query when query is dense, else contiguous) and lse (B, Hq, Sq) float32 (float64 for
+// float64 inputs).
 // Outputs and workspaces are poisoned (NaN) when FLASHCORE_POISON is set (switches.h), so that an element a kernel
 // fails to write shows in the tests.
 std::tuple<at::Tensor, at::Tensor> alloc_fwd_outputs(const at::Tensor& query);
@@ -51,12 +63,12 @@ void poison_if_enabled(std::initializer_list<at::Tensor> tensors);
 
 // Fills the sizes, strides, pointers and mask fields. `out`/`lse` may be undefined (params left null).
 FwdParams make_fwd_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                          const at::Tensor& out, const at::Tensor& lse, const MaskOptions& opts);
+                          const at::Tensor& out, const at::Tensor& lse, const AttentionOptions& opts);
 
 BwdParams make_bwd_params(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
                           const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
                           const at::Tensor& grad_query, const at::Tensor& grad_key, const at::Tensor& grad_value,
-                          const MaskOptions& opts, bool deterministic);
+                          const AttentionOptions& opts, bool deterministic);
 
 // True when there is nothing for a kernel to do; the caller has already filled the outputs:
 // an empty batch/head/query length leaves empty outputs; an empty key length gives out = 0 and lse = -inf

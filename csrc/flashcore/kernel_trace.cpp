@@ -28,6 +28,7 @@ std::string last_kernel(Pass pass) {
   if (t.warpgroups > 0) s += " wg" + std::to_string(t.warpgroups);
   if (t.key_splits > 1) s += " splits" + std::to_string(t.key_splits);
   if (t.compact) s += " compact";
+  if (t.score_mod) s += " mod";
   return s;
 }
 

@@ -1,13 +1,10 @@
 // The flashcore operator library: schemas defined once here; implementations are registered per dispatch key
-// (cpu/attention_cpu.cpp, cuda/attention_cuda.cpp), the fake (meta) kernels and autograd in flashcore/ops.py.
+// (cpu/attention_cpu.cpp, cuda/attention_cuda.cpp), autograd in C++ (autograd.cpp), the fake (meta) kernels in
+// flashcore/ops.py.
 //
 // Tensors are logical (batch, heads, seq_len, head_dim) with any strides whose last one is 1, so BHSD and
 // BSHD (a transposed view) are both accepted without copies. key/value may have fewer heads than query
 // (grouped-query attention; heads_q a multiple of heads_kv).
-//
-// Room kept in the schema for what is coming: window_left/window_right (sliding window, -1 = unbounded) and
-// softcap (0 = off) are accepted and checked now (NotImplementedError until a kernel implements them);
-// variable-length batches and a KV cache will be separate ops (fwd_varlen, fwd_kvcache) that share the kernels.
 #include <Python.h>
 #include <torch/library.h>
 
@@ -49,18 +46,27 @@ PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY(flashcore, m) {
   // Returns (out, lse): out has query's shape and dtype (and query's layout when query is dense);
-  // lse is float32 (batch, heads_q, seq_len_q), the natural-log log-sum-exp of each row's scaled scores.
-  // deterministic=True does not change the forward (always reproducible); autograd passes it on to bwd.
+  // lse is float32 (float64 for float64 inputs) (batch, heads_q, seq_len_q), the natural-log log-sum-exp of each
+  // row's logits (sinks included).
+  // Masks (mask.h): is_causal hides keys right of the aligned diagonal; window_left/window_right (-1: unbounded)
+  // bound a sliding window around it; causal_bottom_right aligns both bottom-right (flash-attn), else top-left
+  // (SDPA). Scores (score_mod.h): softcap (0: off) caps the scaled score, alibi_slopes ((heads_q,) or
+  // (batch, heads_q) float32) adds -slope * |i + Sk - Sq - j|, sinks ((heads_q,) float32) adds exp(sink) to each
+  // row's denominator. deterministic=True does not change the forward (always reproducible); autograd passes it
+  // on to bwd.
   m.def(
       "fwd(Tensor query, Tensor key, Tensor value, float softmax_scale, bool is_causal=False, "
       "bool causal_bottom_right=False, int window_left=-1, int window_right=-1, float softcap=0.0, "
-      "bool deterministic=False) -> (Tensor out, Tensor lse)");
-  // Gradients of fwd's out. grad_key/grad_value have key/value's shapes (summed over the query heads that share
-  // a key/value head). deterministic=True gives bitwise-identical gradients run to run.
+      "bool deterministic=False, Tensor? sinks=None, Tensor? alibi_slopes=None) -> (Tensor out, Tensor lse)");
+  // Gradients of fwd's out, for the same options. grad_key/grad_value have key/value's shapes (summed over the query
+  // heads that share a key/value head). deterministic=True gives bitwise-identical gradients run to run. Sinks need
+  // no argument: lse includes them, and their gradient, -sum over rows of exp(sink - lse) * rowsum(grad_out * out),
+  // is taken by the autograd node. lse is float32 (float64 for float64 inputs, as fwd returns it).
   m.def(
       "bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, float softmax_scale, "
       "bool is_causal=False, bool causal_bottom_right=False, int window_left=-1, int window_right=-1, "
-      "float softcap=0.0, bool deterministic=False) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+      "float softcap=0.0, bool deterministic=False, Tensor? alibi_slopes=None) "
+      "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // Name of the CUDA forward kernel family that fwd would run for these inputs on this device ("sm80", "sm90"),
   // for tests and benchmarks; respects FLASHCORE_FORCE_KERNEL.
   m.def("fwd_kernel_name(Tensor query, Tensor key, Tensor value, bool is_causal=False) -> str");

@@ -11,6 +11,7 @@
 
 #include "macros.h"
 #include "mask.h"
+#include "score_mod.h"
 
 namespace flashcore {
 
@@ -60,7 +61,8 @@ struct FwdParams {
   const void* k = nullptr;
   const void* v = nullptr;
   void* out = nullptr;
-  float* lse = nullptr;  // (batch, heads_q, seqlen_q), contiguous, natural-log units
+  float* lse = nullptr;     // (batch, heads_q, seqlen_q), contiguous, natural-log units
+  double* lse64 = nullptr;  // instead of lse for float64 inputs (CPU): the float64 path keeps float64 exactness
 
   Strides q_stride, k_stride, v_stride, out_stride;
 
@@ -84,6 +86,9 @@ struct FwdParams {
   // out = 0 and lse = -inf.
   MaskParams mask;
   Band band;
+
+  // Softcap, ALiBi and sinks (score_mod.h).
+  ScoreParams score;
 };
 
 struct BwdParams : FwdParams {

@@ -15,8 +15,11 @@ constexpr BackendLimits kCpuLimits{"CPU", /*allow_fp32_fp64=*/true, /*max_head_d
 std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                            double softmax_scale, bool is_causal, bool causal_bottom_right,
                                            int64_t window_left, int64_t window_right, double softcap,
-                                           bool /*deterministic: only the backward's*/) {
-  const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
+                                           bool /*deterministic: only the backward's*/,
+                                           const std::optional<at::Tensor>& sinks,
+                                           const std::optional<at::Tensor>& alibi_slopes) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, causal_bottom_right, window_left,
+                                             window_right, softcap, sinks, alibi_slopes);
   check_fwd_inputs(query, key, value, opts, kCpuLimits);
   auto [out, lse] = alloc_fwd_outputs(query);
   const FwdParams p = make_fwd_params(query, key, value, out, lse, opts);
@@ -32,8 +35,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_ou
                                                        const at::Tensor& out, const at::Tensor& lse,
                                                        double softmax_scale, bool is_causal,
                                                        bool causal_bottom_right, int64_t window_left,
-                                                       int64_t window_right, double softcap, bool deterministic) {
-  const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
+                                                       int64_t window_right, double softcap, bool deterministic,
+                                                       const std::optional<at::Tensor>& alibi_slopes) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, causal_bottom_right, window_left,
+                                             window_right, softcap, std::nullopt, alibi_slopes);
   check_bwd_inputs(grad_out, query, key, value, out, lse, opts, kCpuLimits);
   auto [grad_query, grad_key, grad_value] = alloc_bwd_outputs(query, key, value);
   if (bwd_is_trivial(query, key, grad_query, grad_key, grad_value)) return {grad_query, grad_key, grad_value};

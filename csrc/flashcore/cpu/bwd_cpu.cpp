@@ -27,50 +27,11 @@ constexpr int64_t kKeyBlock = 64;
 constexpr int64_t kMinTasks = 32;
 constexpr int64_t kMaxPartialBytes = int64_t(256) << 20;
 
-// The saved lse is float32 (the op's schema), about 1e-7 relative: enough for every dtype but float64, whose
-// gradients would inherit that error. For float64 the row log-sum-exp is recomputed exactly (the forward's first
-// two steps again: S = (scale Q) K^T and the running max and sum), about 20% of the backward's work.
-template <typename Ops, typename S, typename T>
-void recompute_lse(const BwdParams& p, T scale, T* lse) {
-  const int64_t D = p.head_dim;
-  const int64_t Dp = round_up(D, kPad);
-  const int64_t ld = round_up(kKeyBlock, kPad);
-  const int64_t q_blocks = (p.seqlen_q + kQueryBlock - 1) / kQueryBlock;
-  const Band& band = p.band;
-  at::parallel_for(0, p.batch * p.heads_q * q_blocks, 1, [&](int64_t begin, int64_t end) {
-    Scratch<T> scratch(Scratch<T>::total({kQueryBlock * Dp, D * ld, kQueryBlock * ld, 3 * kQueryBlock}));
-    T* q_tile = scratch.take(kQueryBlock * Dp);
-    T* kt_tile = scratch.take(D * ld);
-    T* s_tile = scratch.take(kQueryBlock * ld);
-    T* row_max = scratch.take(kQueryBlock);
-    T* row_sum = scratch.take(kQueryBlock);
-    T* alpha = scratch.take(kQueryBlock);
-    for (int64_t task = begin; task < end; ++task) {
-      const int64_t qb = task % q_blocks;
-      const int64_t bh = task / q_blocks;
-      const int64_t b = bh / p.heads_q, h = bh % p.heads_q, hk = h / p.group;
-      const int64_t i0 = qb * kQueryBlock;
-      const int64_t rows = std::min(kQueryBlock, p.seqlen_q - i0);
-      const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + i0 * p.q_stride.seq;
-      const S* k = static_cast<const S*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-      Ops::pack_rows(q, p.q_stride.seq, rows, D, scale, q_tile, Dp, rows);
-      std::fill(row_max, row_max + rows, -std::numeric_limits<T>::infinity());
-      std::fill(row_sum, row_sum + rows, T(0));
-      const IndexRange key_tiles = Band::tiles(band.keys_of_queries(i0, i0 + rows), kKeyBlock);
-      for (int64_t j0 = key_tiles.begin * kKeyBlock; j0 < key_tiles.end * kKeyBlock; j0 += kKeyBlock) {
-        const int64_t keys = std::min(kKeyBlock, p.seqlen_k - j0);
-        const int64_t cols = round_up(keys, kPad);
-        Ops::pack_transposed(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, kt_tile, ld);
-        Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ld, s_tile, ld);
-        const BlockMask mask(band, i0, j0, keys);
-        Ops::softmax_update(s_tile, ld, rows, cols, mask, row_max, row_sum, alpha);
-      }
-      for (int64_t r = 0; r < rows; ++r) {
-        lse[bh * p.seqlen_q + i0 + r] =
-            row_sum[r] > T(0) ? row_max[r] + std::log(row_sum[r]) : std::numeric_limits<T>::infinity();
-      }
-    }
-  });
+template <typename T>
+T alibi_slope(const FwdParams& p, int64_t b, int64_t h) {
+  const ScoreParams& sp = p.score;
+  return sp.alibi_slopes ? static_cast<T>(sp.alibi_slopes[b * sp.alibi_stride_batch + h * sp.alibi_stride_head])
+                         : T(0);
 }
 
 template <typename Ops, typename S, typename T>
@@ -107,15 +68,13 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
       for (int64_t i = 0; i < p.seqlen_q; ++i) {
         Ops::pack_rows(o + i * p.out_stride.seq, 0, 1, D, T(1), o_row, Dp, 1);
         Ops::row_dots(o_row, Dp, dout + i * p.dout_stride.seq, 0, 1, D, delta + bh * p.seqlen_q + i);
-        const float l = p.lse[bh * p.seqlen_q + i];
-        lse[bh * p.seqlen_q + i] = l == -std::numeric_limits<float>::infinity()
-                                       ? std::numeric_limits<T>::infinity()
-                                       : static_cast<T>(l);
+        // float64 inputs come with a float64 lse (attention_host.cpp), so their gradients keep float64 exactness
+        const T l = p.lse64 ? static_cast<T>(p.lse64[bh * p.seqlen_q + i]) : static_cast<T>(p.lse[bh * p.seqlen_q + i]);
+        lse[bh * p.seqlen_q + i] = l == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity() : l;
       }
     }
   });
 
-  if constexpr (std::is_same_v<T, double>) recompute_lse<Ops, S, T>(p, scale, lse);
 
   // dQ partial sums: (chunks, batch, heads_q, seqlen_q, Dp).
   const int64_t dq_rows = p.batch * p.heads_q * p.seqlen_q;
@@ -124,7 +83,8 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
 
   at::parallel_for(0, heads * chunks, 1, [&](int64_t begin, int64_t end) {
     Scratch<T> scratch(Scratch<T>::total({D * ld, D * ld, kKeyBlock * Dp, kQueryBlock * Dp, kQueryBlock * Dp,
-                                          kQueryBlock * ld, kQueryBlock * ld, kKeyBlock * Dp, kKeyBlock * Dp}));
+                                          kQueryBlock * ld, kQueryBlock * ld, kKeyBlock * Dp, kKeyBlock * Dp,
+                                          kQueryBlock * ld}));
     T* kt_tile = scratch.take(D * ld);          // K^T, D x ld
     T* vt_tile = scratch.take(D * ld);          // V^T, D x ld
     T* k_tile = scratch.take(kKeyBlock * Dp);   // K, keys x Dp
@@ -134,6 +94,7 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
     T* dp_tile = scratch.take(kQueryBlock * ld);  // dP, then dS
     T* dk_acc = scratch.take(kKeyBlock * Dp);
     T* dv_acc = scratch.take(kKeyBlock * Dp);
+    T* dtanh_tile = scratch.take(kQueryBlock * ld);  // softcap: d logit / d(scale q.k) = 1 - tanh^2
 
     for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task % chunks;
@@ -162,6 +123,8 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
           const int64_t bh = b * p.heads_q + h;
           const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
           const S* dout = static_cast<const S*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
+          const T slope = alibi_slope<T>(p, b, h);
+          const bool softcap = p.score.softcap > 0.f, mod = softcap || slope != T(0);
           for (int64_t i0 = query_tiles.begin * kQueryBlock; i0 < query_tiles.end * kQueryBlock;
                i0 += kQueryBlock) {
             const int64_t rows = std::min(kQueryBlock, p.seqlen_q - i0);
@@ -170,9 +133,12 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
 
             Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ld, s_tile, ld);
             Ops::template gemm<GemmMode::kStore>(rows, cols, D, do_tile, Dp, 1, vt_tile, ld, dp_tile, ld);
+            if (mod) Ops::score_mod(s_tile, ld, rows, cols, static_cast<T>(p.score.softcap), slope, i0, j0,
+                                    p.score.alibi_offset, softcap ? dtanh_tile : static_cast<T*>(nullptr));
             const BlockMask mask(band, i0, j0, keys);
             Ops::softmax_grad(s_tile, dp_tile, ld, rows, cols, mask, lse + bh * p.seqlen_q + i0,
                               delta + bh * p.seqlen_q + i0);
+            if (softcap) Ops::multiply(dp_tile, dtanh_tile, rows * ld);  // dS on scale q.k
 
             // dV += P^T dO and dK += dS^T (scale Q): the A operand read transposed (a_row = 1, a_col = ld).
             Ops::template gemm<GemmMode::kAccumulate>(keys, Dp, rows, s_tile, 1, ld, do_tile, Dp, dv_acc, Dp);

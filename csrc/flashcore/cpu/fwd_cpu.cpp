@@ -33,6 +33,7 @@ void fwd_impl(const FwdParams& p) {
   const T scale = std::is_same_v<T, double> ? static_cast<T>(p.scale_fp64) : static_cast<T>(p.scale);
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const Band& band = p.band;
+  const ScoreParams& sp = p.score;
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
     Scratch<T> scratch(Scratch<T>::total(
@@ -59,10 +60,14 @@ void fwd_impl(const FwdParams& p) {
       const S* k = static_cast<const S*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
       const S* v = static_cast<const S*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
       S* out = static_cast<S*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head + i0 * p.out_stride.seq;
-      float* lse = p.lse + (b * p.heads_q + h) * p.seqlen_q + i0;
+      const int64_t lse_row0 = (b * p.heads_q + h) * p.seqlen_q + i0;
 
       Ops::pack_rows(q, p.q_stride.seq, rows, D, scale, q_tile, Dp, rows);
       std::fill(o_acc, o_acc + rows * Dp, T(0));
+      const T slope = sp.alibi_slopes ? static_cast<T>(sp.alibi_slopes[b * sp.alibi_stride_batch +
+                                                                        h * sp.alibi_stride_head])
+                                      : T(0);
+      const bool mod = sp.softcap > 0.f || slope != T(0);
       std::fill(row_max, row_max + rows, kNegInf);
       std::fill(row_sum, row_sum + rows, T(0));
 
@@ -76,17 +81,32 @@ void fwd_impl(const FwdParams& p) {
         Ops::pack_rows(v + j0 * p.v_stride.seq, p.v_stride.seq, keys, D, T(1), v_tile, Dp, keys);
 
         Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ldk, s_tile, ldk);
+        if (mod) Ops::score_mod(s_tile, ldk, rows, cols, static_cast<T>(sp.softcap), slope, i0, j0, sp.alibi_offset,
+                                static_cast<T*>(nullptr));
         const BlockMask mask(band, i0, j0, keys);
         Ops::softmax_update(s_tile, ldk, rows, cols, mask, row_max, row_sum, alpha);
         Ops::template gemm<GemmMode::kScaleAccumulate>(rows, Dp, keys, s_tile, ldk, 1, v_tile, Dp, o_acc, Dp,
                                                       alpha);
       }
 
+      // A sink joins each row's sum (and max): o's rescale is exp(m - m'), and a row that saw no key gets
+      // lse = sink, out = 0.
+      const T sink = sp.sinks ? static_cast<T>(sp.sinks[h]) : kNegInf;
       for (int64_t r = 0; r < rows; ++r) {
-        const bool empty = !(row_sum[r] > T(0));
-        inv_sum[r] = empty ? T(0) : T(1) / row_sum[r];
-        lse[r] = empty ? -std::numeric_limits<float>::infinity()
-                       : static_cast<float>(row_max[r] + std::log(row_sum[r]));
+        T m = row_max[r], sum = row_sum[r], o_scale = T(1);
+        if (sink != kNegInf) {
+          const T m2 = std::max(m, sink);
+          o_scale = std::exp(m - m2);
+          sum = sum * o_scale + std::exp(sink - m2);
+          m = m2;
+        }
+        const bool empty = !(sum > T(0));
+        inv_sum[r] = empty ? T(0) : o_scale / sum;
+        const T l = empty ? kNegInf : m + std::log(sum);
+        if constexpr (std::is_same_v<T, double>)
+          p.lse64[lse_row0 + r] = l;
+        else
+          p.lse[lse_row0 + r] = static_cast<float>(l);
       }
       Ops::store_rows(o_acc, Dp, rows, D, inv_sum, T(1), out, p.out_stride.seq);
     }

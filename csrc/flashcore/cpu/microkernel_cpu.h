@@ -236,6 +236,22 @@ inline Vec<double>::V vexp(Vec<double>::V x) {
   return r;
 }
 
+// tanh of 8 floats as (1 - e) / (1 + e) with e = exp(-2|x|) <= 1 (no overflow), the sign put back; float64 per
+// lane through std::tanh (the gradcheck path).
+inline Vec<float>::V vtanh(Vec<float>::V x) {
+  using V = Vec<float>::V;
+  const V ax = x < V{} ? -x : x;
+  const V e = vexp(vbroadcast(-2.f) * ax);
+  const V t = (vbroadcast(1.f) - e) / (vbroadcast(1.f) + e);
+  return x < V{} ? -t : t;
+}
+
+inline Vec<double>::V vtanh(Vec<double>::V x) {
+  Vec<double>::V r;
+  for (int i = 0; i < Vec<double>::kLanes; ++i) r[i] = std::tanh(x[i]);
+  return r;
+}
+
 // C[R x 2 vectors] (per kMode) A[R x k] B[k x 2 vectors], all accumulators in registers.
 template <int R, GemmMode kMode, typename T>
 inline void gemm_micro(int64_t k, const T* a, int64_t a_row, int64_t a_col, const T* b, int64_t ldb, T* c,
@@ -348,6 +364,44 @@ struct BlockOps {
       for (int64_t c = 0; c < cols; ++c) acc += x[c] * static_cast<T>(y[c]);
       out[r] = acc;
     }
+  }
+
+  // Turns a block of scaled scores (rows: queries i0 + r, columns: keys j0 + c) into logits (score_mod.h):
+  // softcap > 0: softcap * tanh(s / softcap), with 1 - tanh^2 in dtanh when given; slope != 0: minus
+  // slope * |j - i - alibi_offset|. Columns [0, cols_pad) are all written (padding included: the mask hides it).
+  template <typename T>
+  static void score_mod(T* s, int64_t lds, int64_t rows, int64_t cols_pad, T softcap, T slope, int64_t i0,
+                        int64_t j0, int64_t alibi_offset, T* dtanh) {
+    using V = typename Vec<T>::V;
+    using Index = typename Vec<T>::Index;
+    constexpr int L = Vec<T>::kLanes;
+    for (int64_t r = 0; r < rows; ++r) {
+      T* x = s + r * lds;
+      T* d = dtanh ? dtanh + r * lds : nullptr;
+      // j - i - offset of column c: c + base (clamped: only |distance| below 2^30 is ever looked at closely)
+      const int64_t base = std::clamp<int64_t>(j0 - (i0 + r) - alibi_offset, -(int64_t(1) << 30), int64_t(1) << 30);
+      for (int64_t c = 0; c < cols_pad; c += L) {
+        V v = vload(x + c);
+        if (softcap > T(0)) {
+          const V t = vtanh(v / vbroadcast(softcap));
+          if (d) vstore(d + c, vbroadcast(T(1)) - t * t);
+          v = vbroadcast(softcap) * t;
+        }
+        if (slope != T(0)) {
+          const auto dist = Vec<T>::iota() + static_cast<Index>(c + base);
+          const auto abs_dist = dist < decltype(dist){} ? -dist : dist;
+          v = v - vbroadcast(slope) * __builtin_convertvector(abs_dist, V);
+        }
+        vstore(x + c, v);
+      }
+    }
+  }
+
+  // x[i] *= y[i] for i < n (n a multiple of the vector width).
+  template <typename T>
+  static void multiply(T* x, const T* y, int64_t n) {
+    constexpr int L = Vec<T>::kLanes;
+    for (int64_t i = 0; i < n; i += L) vstore(x + i, vload(x + i) * vload(y + i));
   }
 
   // Online-softmax step over one block of scaled scores s (rows x cols_pad): with m the running row max and l the

@@ -73,14 +73,16 @@ void check_sizes(const at::Tensor& query, const at::Tensor& key) {
 // was compiled for and tensors TMA can describe; the mma.sync family (sm80) everywhere else (also when sm90 is
 // forced but the layout rules it out, e.g. a zero-stride expanded key). FLASHCORE_FORCE_KERNEL=sm80|sm90 forces a
 // family (switches.h).
+// score_mod: the call transforms its scores (transforms_scores), so it needs a score-mod variant.
 const cuda::FwdKernelEntry& select_fwd_kernel(const at::Tensor& query, const at::Tensor& key,
-                                              const at::Tensor& value, const cudaDeviceProp& prop) {
+                                              const at::Tensor& value, const cudaDeviceProp& prop, bool score_mod) {
   const auto dtype = to_dtype(query.scalar_type());
   const int head_dim = (int)query.size(3);
   const std::string forced = forced_fwd_family();
   TORCH_CHECK(forced.empty() || forced == "sm80" || forced == "sm90", "flashcore: FLASHCORE_FORCE_KERNEL=", forced,
               " is not a forward kernel family (sm80, sm90)");
-  const cuda::FwdKernelEntry* sm90 = forced == "sm80" ? nullptr : cuda::find_fwd_kernel("sm90", head_dim, dtype);
+  const cuda::FwdKernelEntry* sm90 =
+      forced == "sm80" ? nullptr : cuda::find_fwd_kernel("sm90", head_dim, dtype, score_mod);
   if (forced == "sm90") {
     TORCH_CHECK(is_hopper(prop), "flashcore: FLASHCORE_FORCE_KERNEL=sm90 needs a compute capability 9.0 GPU; ",
                 prop.name, " is ", prop.major, ".", prop.minor);
@@ -89,7 +91,7 @@ const cuda::FwdKernelEntry& select_fwd_kernel(const at::Tensor& query, const at:
                 "FLASHCORE_CUDA_ARCHS including 90a)");
   }
   if (sm90 != nullptr && is_hopper(prop) && tma_ready(query) && tma_ready(key) && tma_ready(value)) return *sm90;
-  const cuda::FwdKernelEntry* sm80 = cuda::find_fwd_kernel("sm80", head_dim, dtype);
+  const cuda::FwdKernelEntry* sm80 = cuda::find_fwd_kernel("sm80", head_dim, dtype, score_mod);
   TORCH_CHECK(sm80 != nullptr, "flashcore: this build has no forward kernel for head_dim ", head_dim, " and dtype ",
               c10::toString(query.scalar_type()), " (compiled head-dim tiles: ",
               cuda::compiled_head_dim_tiles("sm80", dtype), "); rebuild with FLASHCORE_HEADDIMS/FLASHCORE_DTYPES "
@@ -97,20 +99,15 @@ const cuda::FwdKernelEntry& select_fwd_kernel(const at::Tensor& query, const at:
   return *sm80;
 }
 
-// The CUDA kernels take the row max of the raw scores and mask them before scaling, so a zero or negative scale
-// would give NaN or +inf for hidden scores (0 * -inf, -s * -inf); the CPU path takes any finite scale.
-void check_cuda_scale(double softmax_scale) {
-  TORCH_CHECK(softmax_scale > 0.0, "flashcore: scale must be positive on CUDA; got ", softmax_scale,
-              " (the CPU path and SDPA take a zero or negative scale)");
-}
-
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at::Tensor& key_in,
                                             const at::Tensor& value_in, double softmax_scale, bool is_causal,
                                             bool causal_bottom_right, int64_t window_left, int64_t window_right,
-                                            double softcap, bool /*deterministic: only the backward's*/) {
-  const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
+                                            double softcap, bool /*deterministic: only the backward's*/,
+                                            const std::optional<at::Tensor>& sinks,
+                                            const std::optional<at::Tensor>& alibi_slopes) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, causal_bottom_right, window_left,
+                                             window_right, softcap, sinks, alibi_slopes);
   check_fwd_inputs(query_in, key_in, value_in, opts, kCudaLimits);
-  check_cuda_scale(softmax_scale);
   const c10::cuda::CUDAGuard guard(query_in.device());
   const cudaDeviceProp& prop = device_properties(query_in);
   check_sizes(query_in, key_in);
@@ -122,18 +119,18 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at
   const FwdParams p = make_fwd_params(query, key, value, out, lse, opts);
   if (fwd_is_trivial(p, out, lse)) return {out, lse};
 
-  const cuda::FwdKernelEntry& kernel = select_fwd_kernel(query, key, value, prop);
-  record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile});
+  const cuda::FwdKernelEntry& kernel = select_fwd_kernel(query, key, value, prop, transforms_scores(opts));
+  record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile, 0, 1, false, kernel.score_mod});
   kernel.launch(p, at::cuda::getCurrentCUDAStream());  // the sm90 launcher refines the record
   return {out, lse};
 }
 
 std::string fwd_kernel_name_cuda(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                  bool is_causal) {
-  const MaskOptions opts{1.0, is_causal, false, -1, -1, 0.0};
+  const AttentionOptions opts = make_options(1.0, is_causal, false, -1, -1, 0.0, std::nullopt, std::nullopt);
   check_fwd_inputs(query, key, value, opts, kCudaLimits);
   const c10::cuda::CUDAGuard guard(query.device());
-  return select_fwd_kernel(query, key, value, device_properties(query)).family;
+  return select_fwd_kernel(query, key, value, device_properties(query), false).family;
 }
 
 // The fused backward runs when its head-dim tile was compiled, the device grants its shared memory (sm_86/sm_89
@@ -144,14 +141,14 @@ std::string fwd_kernel_name_cuda(const at::Tensor& query, const at::Tensor& key,
 // nullptr: the composite backward.
 const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const at::Tensor& query,
                                               const at::Tensor& key, const at::Tensor& value, bool deterministic,
-                                              const cudaDeviceProp& prop) {
+                                              const cudaDeviceProp& prop, bool score_mod) {
   const std::string forced = forced_bwd_path();
   TORCH_CHECK(forced.empty() || forced == "composite" || forced == "sm80" || forced == "sm90",
               "flashcore: FLASHCORE_FORCE_BWD=", forced, " is not a backward path (composite, sm80, sm90)");
   if (deterministic || forced == "composite") return nullptr;
   const auto dtype = to_dtype(query.scalar_type());
   const int head_dim = (int)query.size(3);
-  const cuda::BwdKernelEntry* sm90 = cuda::find_bwd_kernel("sm90", head_dim, dtype);
+  const cuda::BwdKernelEntry* sm90 = cuda::find_bwd_kernel("sm90", head_dim, dtype, score_mod);
   if (forced == "sm90") {
     TORCH_CHECK(is_hopper(prop), "flashcore: FLASHCORE_FORCE_BWD=sm90 needs a compute capability 9.0 GPU; ",
                 prop.name, " is ", prop.major, ".", prop.minor);
@@ -161,7 +158,7 @@ const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const 
   const bool tma = tma_ready(query) && tma_ready(key) && tma_ready(value) && tma_ready(grad_out);
   const cuda::BwdKernelEntry* entry = forced != "sm80" && is_hopper(prop) && sm90 != nullptr && tma
                                           ? sm90
-                                          : cuda::find_bwd_kernel("sm80", head_dim, dtype);
+                                          : cuda::find_bwd_kernel("sm80", head_dim, dtype, score_mod);
   if (entry == nullptr) return nullptr;
   if ((int64_t)prop.sharedMemPerBlockOptin < entry->smem_bytes) return nullptr;
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
@@ -176,17 +173,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
                                                         const at::Tensor& out_in, const at::Tensor& lse,
                                                         double softmax_scale, bool is_causal,
                                                         bool causal_bottom_right, int64_t window_left,
-                                                        int64_t window_right, double softcap, bool deterministic) {
-  const MaskOptions opts{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap};
+                                                        int64_t window_right, double softcap, bool deterministic,
+                                                        const std::optional<at::Tensor>& alibi_slopes) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, causal_bottom_right, window_left,
+                                             window_right, softcap, std::nullopt, alibi_slopes);
   check_bwd_inputs(grad_out_in, query_in, key_in, value_in, out_in, lse, opts, kCudaLimits);
-  check_cuda_scale(softmax_scale);
   const c10::cuda::CUDAGuard guard(query_in.device());
   const cudaDeviceProp& prop = device_properties(query_in);
   auto [grad_query, grad_key, grad_value] = alloc_bwd_outputs(query_in, key_in, value_in);
   if (bwd_is_trivial(query_in, key_in, grad_query, grad_key, grad_value)) return {grad_query, grad_key, grad_value};
 
   const cuda::BwdKernelEntry* kernel =
-      select_bwd_kernel(grad_out_in, query_in, key_in, value_in, deterministic, prop);
+      select_bwd_kernel(grad_out_in, query_in, key_in, value_in, deterministic, prop, transforms_scores(opts));
   if (kernel == nullptr) {
     const BwdParams p = make_bwd_params(grad_out_in, query_in, key_in, value_in, out_in, lse, grad_query, grad_key,
                                         grad_value, opts, deterministic);
@@ -213,7 +211,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   // 4x16x8192x128; measured within noise of the two-kernel version, one launch fewer).
   cuda::launch_bwd_prepass(p, q.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(),
                            rows, (int)dq_cols, stream);
-  record_kernel(Pass::kBwd, KernelTrace{kernel->family, kernel->head_dim_tile});
+  record_kernel(Pass::kBwd, KernelTrace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod});
   kernel->launch(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
   dsum = at::Tensor();
   grad_query = at::empty_like(query_in);
@@ -224,11 +222,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
 
 std::string bwd_kernel_name_cuda(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
                                  const at::Tensor& value, bool deterministic) {
-  const MaskOptions opts{1.0, false, false, -1, -1, 0.0};
+  const AttentionOptions opts = make_options(1.0, false, false, -1, -1, 0.0, std::nullopt, std::nullopt);
   check_fwd_inputs(query, key, value, opts, kCudaLimits);
   const c10::cuda::CUDAGuard guard(query.device());
   const cuda::BwdKernelEntry* kernel =
-      select_bwd_kernel(grad_out, query, key, value, deterministic, device_properties(query));
+      select_bwd_kernel(grad_out, query, key, value, deterministic, device_properties(query), false);
   return kernel == nullptr ? "composite" : kernel->family;
 }
 

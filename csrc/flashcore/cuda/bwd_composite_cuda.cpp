@@ -26,6 +26,13 @@ void bwd_composite(const at::Tensor& grad_out, const at::Tensor& query, const at
   const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(Sq, kChunkBudget / std::max<int64_t>(1, B * Hkv * G * Sk)));
   const at::Tensor key_idx = at::arange(Sk, k.options().dtype(at::kLong));
   const Band& band = p.band;
+  const ScoreParams& sp = p.score;
+  // ALiBi slopes as (B, Hq) float32 (broadcast from (Hq,)), from the call's strided vector.
+  at::Tensor alibi;
+  if (sp.alibi_slopes != nullptr) {
+    alibi = at::from_blob(const_cast<float*>(sp.alibi_slopes), {B, Hkv * G}, {sp.alibi_stride_batch, sp.alibi_stride_head},
+                          k.options()).clone();
+  }
 
   for (int64_t r0 = 0; r0 < Sq; r0 += rows) {
     const int64_t r1 = std::min(Sq, r0 + rows), n = r1 - r0;
@@ -36,16 +43,30 @@ void bwd_composite(const at::Tensor& grad_out, const at::Tensor& query, const at
     const at::Tensor lse_c = lse_safe.slice(2, r0, r1).reshape({B, Hkv, G * n, 1});
     const at::Tensor delta_c = delta.slice(2, r0, r1).reshape({B, Hkv, G * n, 1});
 
-    at::Tensor s = at::matmul(q, k.transpose(-1, -2)).mul_(p.scale);  // (B, Hkv, G * n, Sk)
+    // Logits (score_mod.h): scale, softcap, ALiBi; dtanh = d logit / d(scale q.k) with a softcap.
+    at::Tensor s = at::matmul(q, k.transpose(-1, -2)).mul_(p.scale_fp64);  // (B, Hkv, G * n, Sk)
+    at::Tensor dtanh;
+    if (sp.softcap > 0.f) {
+      const at::Tensor t = s.mul_(1.0 / sp.softcap).tanh_();
+      dtanh = 1.0 - t * t;
+      s = t.mul(sp.softcap);
+    }
+    const at::Tensor row_idx = at::arange(r0, r1, key_idx.options());
+    const at::Tensor diag = key_idx.view({1, Sk}) - row_idx.view({n, 1});  // (n, Sk): j - i
+    if (alibi.defined()) {  // -slope[b, h] * |j - i - (Sk - Sq)|, per query head of the group
+      const at::Tensor dist = (diag - sp.alibi_offset).abs_().to(f32);
+      const at::Tensor slopes = alibi.view({B, Hkv, G, 1, 1});
+      s = (s.view({B, Hkv, G, n, Sk}) - slopes * dist).view({B, Hkv, G * n, Sk});
+    }
     at::Tensor prob = (s - lse_c).exp_();
     if (band.banded()) {  // key j hidden from query i unless lo <= j - i <= hi (mask.h)
-      const at::Tensor row_idx = at::arange(r0, r1, key_idx.options());
-      const at::Tensor diag = key_idx.view({1, Sk}) - row_idx.view({n, 1});  // (n, Sk)
       const at::Tensor hidden = (diag > band.hi).logical_or_(diag < band.lo);
       prob = prob.view({B, Hkv, G, n, Sk}).masked_fill_(hidden, 0.0).view({B, Hkv, G * n, Sk});
     }
     dv.add_(at::matmul(prob.transpose(-1, -2), dout));
-    at::Tensor ds = at::matmul(dout, v.transpose(-1, -2)).sub_(delta_c).mul_(prob).mul_(p.scale);
+    at::Tensor ds = at::matmul(dout, v.transpose(-1, -2)).sub_(delta_c).mul_(prob);
+    if (dtanh.defined()) ds.mul_(dtanh);
+    ds.mul_(p.scale_fp64);
     dk.add_(at::matmul(ds.transpose(-1, -2), q));
     const at::Tensor dq = at::matmul(ds, k).view({B, Hkv, G, n, D}).reshape({B, Hkv * G, n, D});
     grad_query.slice(2, r0, r1).copy_(dq);

@@ -29,12 +29,14 @@ bool add(const Entry& entry) {
 }
 
 template <typename Entry>
-const Entry* find(const char* family, int head_dim, DType dtype) {
+const Entry* find(const char* family, int head_dim, DType dtype, bool score_mod) {
   Registry<Entry>& r = registry<Entry>();
   std::lock_guard<std::mutex> lock(r.mutex);
   const Entry* best = nullptr;
   for (const auto& e : r.entries) {
-    if (std::strcmp(e.family, family) != 0 || e.dtype != dtype || e.head_dim_tile < head_dim) continue;
+    if (std::strcmp(e.family, family) != 0 || e.dtype != dtype || e.score_mod != score_mod ||
+        e.head_dim_tile < head_dim)
+      continue;
     if (best == nullptr || e.head_dim_tile < best->head_dim_tile) best = &e;
   }
   return best;
@@ -45,11 +47,11 @@ const Entry* find(const char* family, int head_dim, DType dtype) {
 bool register_fwd_kernel(const FwdKernelEntry& entry) { return add(entry); }
 bool register_bwd_kernel(const BwdKernelEntry& entry) { return add(entry); }
 
-const FwdKernelEntry* find_fwd_kernel(const char* family, int head_dim, DType dtype) {
-  return find<FwdKernelEntry>(family, head_dim, dtype);
+const FwdKernelEntry* find_fwd_kernel(const char* family, int head_dim, DType dtype, bool score_mod) {
+  return find<FwdKernelEntry>(family, head_dim, dtype, score_mod);
 }
-const BwdKernelEntry* find_bwd_kernel(const char* family, int head_dim, DType dtype) {
-  return find<BwdKernelEntry>(family, head_dim, dtype);
+const BwdKernelEntry* find_bwd_kernel(const char* family, int head_dim, DType dtype, bool score_mod) {
+  return find<BwdKernelEntry>(family, head_dim, dtype, score_mod);
 }
 
 std::string compiled_head_dim_tiles(const char* family, DType dtype) {
@@ -57,7 +59,7 @@ std::string compiled_head_dim_tiles(const char* family, DType dtype) {
   std::lock_guard<std::mutex> lock(r.mutex);
   std::vector<int> tiles;
   for (const auto& e : r.entries)
-    if (std::strcmp(e.family, family) == 0 && e.dtype == dtype) tiles.push_back(e.head_dim_tile);
+    if (std::strcmp(e.family, family) == 0 && e.dtype == dtype && !e.score_mod) tiles.push_back(e.head_dim_tile);
   std::sort(tiles.begin(), tiles.end());
   std::string s;
   for (int t : tiles) s += (s.empty() ? "" : ", ") + std::to_string(t);

@@ -23,6 +23,7 @@ struct FwdKernelEntry {
   const char* family;  // "sm80" (mma.sync, sm_80..sm_90), "sm90" (wgmma, sm_90a)
   int head_dim_tile;   // head dims up to this are padded to it
   DType dtype;
+  bool score_mod;      // the score-mod variant (softcap, ALiBi, non-positive scale; score_mod.h)
   FwdLaunchFn launch;
 };
 
@@ -30,6 +31,7 @@ struct BwdKernelEntry {
   const char* family;
   int head_dim_tile;
   DType dtype;
+  bool score_mod;
   int smem_bytes;  // dynamic shared memory a block needs: the dispatcher checks it against the device's limit
   int block_m;     // query rows per tile: dq_accum's row padding
   BwdLaunchFn launch;
@@ -41,9 +43,9 @@ struct BwdKernelEntry {
 bool register_fwd_kernel(const FwdKernelEntry& entry);
 bool register_bwd_kernel(const BwdKernelEntry& entry);
 
-// The entry of `family` with the smallest head-dim tile >= head_dim for dtype, or nullptr.
-const FwdKernelEntry* find_fwd_kernel(const char* family, int head_dim, DType dtype);
-const BwdKernelEntry* find_bwd_kernel(const char* family, int head_dim, DType dtype);
+// The entry of `family` (and variant) with the smallest head-dim tile >= head_dim for dtype, or nullptr.
+const FwdKernelEntry* find_fwd_kernel(const char* family, int head_dim, DType dtype, bool score_mod);
+const BwdKernelEntry* find_bwd_kernel(const char* family, int head_dim, DType dtype, bool score_mod);
 
 // "32, 64, 128" style list of the forward tiles compiled for family/dtype, for error messages.
 std::string compiled_head_dim_tiles(const char* family, DType dtype);

@@ -2,6 +2,7 @@
 // block) a block computes and which key blocks it must visit, and the epilogue that writes O and LSE.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "../../mask.h"
@@ -58,6 +59,12 @@ __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int n
 template <typename Element, int kBlockM, int kBlockN>
 __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks) {
   return fwd_block<Element, kBlockM, kBlockN>(p, num_m_blocks, (int)blockIdx.x);
+}
+
+// The attention sink of query head h in log2 units, or -inf without sinks (score_mod.h). A global load: after the
+// kernel's wait for prior grids.
+__device__ __forceinline__ float sink_log2(const FwdParams& p, int h) {
+  return p.score.sinks != nullptr ? p.score.sinks[h] * kLog2e : -INFINITY;
 }
 
 // One row of this warp's normalized O fragments (C layout: row `row` of the block, values `half` of each n8 tile of

@@ -1,9 +1,10 @@
 // Online softmax over the score fragments of one warp (FlashAttention's running max and sum), in base 2.
 //
 // A thread holds, for each m16 tile, two rows (g and g + 8 of the mma C layout) of kNTiles n8 tiles, two scores
-// each, masked to -inf. `scale` (softmax scale * log2(e)) must be positive: the max of the raw scores is then the
-// max of the scaled ones, and each probability is one FFMA + one exp2 (the kernel pre-multiplies the scores and
-// passes 1 for a negative softmax scale). row_max is kept in scaled (log2) units. Invariant: after each tile, o = sum_j exp2(s_j - row_max) v_j and row_sum = sum_j exp2(s_j -
+// each, masked to -inf. `scale` must be positive: the max of the raw scores is then the max of the scaled ones, and
+// each probability is one FFMA + one exp2. The plain kernels pass scale * log2(e); the score-mod kernels
+// transform the scores into log2-unit logits first (fragment_score_mod.cuh) and pass 1. row_max is kept in scaled
+// (log2) units. Invariant: after each tile, o = sum_j exp2(s_j - row_max) v_j and row_sum = sum_j exp2(s_j -
 // row_max) over the keys seen so far, where row_sum is this thread's partial sum (the four threads of a row are
 // reduced once, at the end).
 #pragma once
@@ -35,7 +36,7 @@ __device__ __forceinline__ float tree_reduce(float (&v)[N], Op op) {
 // kTreeReduce: the row max and sum of a tile as pairwise trees. The mma.sync kernel's 128-key tiles take them: its
 // warps wait out each dependent FMNMX/FADD of a running chain (forced mma.sync 4x8x512x64 on the H100: 9.58 ->
 // 9.47 us). The Hopper consumer keeps the chains, which were faster there (5.28 -> 5.37 us with trees at
-// 1x8x512x64; docs/PERFORMANCE.md, tenth and twelfth sessions).
+// 1x8x512x64; docs/PERFORMANCE.md, ablation and "Tried and rejected").
 template <int kMTiles, int kNTiles, int kDTiles, bool kTreeReduce = false>
 struct OnlineSoftmax {
   static constexpr int kRows = 2 * kMTiles;  // rows held by this thread
@@ -118,16 +119,25 @@ struct OnlineSoftmax {
   }
 
   // Divides o by the row sums and returns each row's log-sum-exp in natural-log units (-inf, with o = 0, for a
-  // row that saw no key).
-  __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float (&lse)[kRows]) {
+  // row that saw no key). sink_log2: an attention sink's logit in log2 units (score_mod.h), or -inf for none: it
+  // joins each row's sum (and its max, so that a row that saw no key gets lse = sink, o = 0).
+  __device__ __forceinline__ void finalize(float (&o)[kMTiles][kDTiles][4], float (&lse)[kRows],
+                                           float sink_log2 = -INFINITY) {
 #pragma unroll
     for (int mi = 0; mi < kMTiles; ++mi) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int r = 2 * mi + half;
-        const float sum = quad_sum(row_sum[r]);
+        float sum = quad_sum(row_sum[r]);
+        float o_scale = 1.f;  // o's rescale to the max that includes the sink
+        if (sink_log2 != -INFINITY) {
+          const float m = fmaxf(row_max[r], sink_log2);
+          o_scale = exp2f(row_max[r] - m);  // 0 for a row that saw no key (row_max = -inf)
+          sum = sum * o_scale + exp2f(sink_log2 - m);
+          row_max[r] = m;
+        }
         const bool empty = !(sum > 0.f);
-        const float inv = empty ? 0.f : 1.f / sum;
+        const float inv = empty ? 0.f : o_scale / sum;
         lse[r] = empty ? -INFINITY : (row_max[r] + __log2f(sum)) * 0.69314718055994531f;  // ln(2)
 #pragma unroll
         for (int di = 0; di < kDTiles; ++di) {

@@ -4,7 +4,7 @@
 
 namespace {
 const bool registered = flashcore::cuda::register_bwd_kernel(
-    {"sm80", 192, flashcore::cuda::DType::kFp16, flashcore::sm80::bwd_smem_bytes<192, __half>(),
-     flashcore::sm80::bwd_block_m<192, __half>(), &flashcore::sm80::launch_bwd<192, __half>,
-     flashcore::sm80::kBwdDqColsExact});
+    {"sm80", 192, flashcore::cuda::DType::kFp16, false,
+     flashcore::sm80::bwd_smem_bytes<192, __half, false>(), flashcore::sm80::bwd_block_m<192, __half, false>(),
+     &flashcore::sm80::launch_bwd<192, __half, false>, flashcore::sm80::kBwdDqColsExact});
 }  // namespace

@@ -4,5 +4,5 @@
 
 namespace {
 const bool registered = flashcore::cuda::register_fwd_kernel(
-    {"sm80", 192, flashcore::cuda::DType::kBf16, &flashcore::sm80::launch_fwd<192, __nv_bfloat16>});
+    {"sm80", 192, flashcore::cuda::DType::kBf16, false, &flashcore::sm80::launch_fwd<192, __nv_bfloat16, false>});
 }  // namespace

@@ -4,5 +4,5 @@
 
 namespace {
 const bool registered = flashcore::cuda::register_fwd_kernel(
-    {"sm80", 192, flashcore::cuda::DType::kFp16, &flashcore::sm80::launch_fwd<192, __half>});
+    {"sm80", 192, flashcore::cuda::DType::kFp16, false, &flashcore::sm80::launch_fwd<192, __half, false>});
 }  // namespace

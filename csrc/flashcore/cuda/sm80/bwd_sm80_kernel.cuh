@@ -21,6 +21,7 @@
 
 #include "../../params.h"
 #include "../common/fragment_mask.cuh"
+#include "../common/fragment_score_mod.cuh"
 #include "../common/pack.cuh"
 #include "../common/tile_io.cuh"
 #include "../ptx/cp_async.cuh"
@@ -39,7 +40,9 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
 #endif
 }
 
-template <typename Traits>
+// kScoreMod: the score-mod variant (softcap, ALiBi, or a scale that is not positive; score_mod.h): P is rebuilt
+// from the transformed logits, and dS gains the softcap's derivative 1 - tanh^2.
+template <typename Traits, bool kScoreMod>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     bwd_sm80_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_accum,
                     int num_n_blocks) {
@@ -123,6 +126,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   float dk[kKVDT][4], dv[kKVDT][4];
   zero(dk);
   zero(dv);
+  ScoreMod mod;  // the score-mod variant's transform of this step's (batch, query head), set per step
 
   if (total > 0) load_query_block(0, 0);
   ptx::cp_async_commit();
@@ -144,6 +148,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int64_t h = h_kv * p.group + it / m_count;
     const int m_block = m_begin + it % m_count;
     const int m0 = m_block * kBlockM;
+    if constexpr (kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, b, h);
     const Element* sQs = stage_q(stage);
     const Element* sdOs = stage_do(stage);
 
@@ -155,12 +160,24 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int r_lo = wm * 16 + g;  // block rows of this thread's accumulator halves: r_lo, r_lo + 8
     const float lse_lo = sLse[stage * kBlockM + r_lo], lse_hi = sLse[stage * kBlockM + r_lo + 8];
     const float d_lo = sDsum[stage * kBlockM + r_lo], d_hi = sDsum[stage * kBlockM + r_lo + 8];
+    float dtanh[1][kSNT][4];  // score-mod variant: d logit / d(scale q.k), which dS takes
+    if constexpr (kScoreMod) {
+      cuda::apply_score_mod<false>(s, m0 + r_lo, n0 + wc * Traits::kSCols + 2 * t, mod, &dtanh);
 #pragma unroll
-    for (int ni = 0; ni < kSNT; ++ni) {
-      s[0][ni][0] = s[0][ni][0] * p.scale_log2 - lse_lo;
-      s[0][ni][1] = s[0][ni][1] * p.scale_log2 - lse_lo;
-      s[0][ni][2] = s[0][ni][2] * p.scale_log2 - lse_hi;
-      s[0][ni][3] = s[0][ni][3] * p.scale_log2 - lse_hi;
+      for (int ni = 0; ni < kSNT; ++ni) {
+        s[0][ni][0] -= lse_lo;
+        s[0][ni][1] -= lse_lo;
+        s[0][ni][2] -= lse_hi;
+        s[0][ni][3] -= lse_hi;
+      }
+    } else {
+#pragma unroll
+      for (int ni = 0; ni < kSNT; ++ni) {
+        s[0][ni][0] = s[0][ni][0] * p.scale_log2 - lse_lo;
+        s[0][ni][1] = s[0][ni][1] * p.scale_log2 - lse_lo;
+        s[0][ni][2] = s[0][ni][2] * p.scale_log2 - lse_hi;
+        s[0][ni][3] = s[0][ni][3] * p.scale_log2 - lse_hi;
+      }
     }
     // Masked after scaling, so that a negative scale cannot turn a -inf score into +inf.
     if (!unmasked.contains(m_block))
@@ -173,9 +190,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
         const float p0 = exp2f(s[0][ni][2 * half]), p1 = exp2f(s[0][ni][2 * half + 1]);
         const float d = half ? d_hi : d_lo;
         const int row = r_lo + 8 * half;
+        float ds0 = p0 * (dp[ni][2 * half] - d), ds1 = p1 * (dp[ni][2 * half + 1] - d);
+        if constexpr (kScoreMod) {
+          ds0 *= dtanh[0][ni][2 * half];
+          ds1 *= dtanh[0][ni][2 * half + 1];
+        }
         *reinterpret_cast<uint32_t*>(sP + PTile::elem_offset(row, col)) = cuda::pack2<Element>(p0, p1);
-        *reinterpret_cast<uint32_t*>(sdS + PTile::elem_offset(row, col)) =
-            cuda::pack2<Element>(p0 * (dp[ni][2 * half] - d), p1 * (dp[ni][2 * half + 1] - d));
+        *reinterpret_cast<uint32_t*>(sdS + PTile::elem_offset(row, col)) = cuda::pack2<Element>(ds0, ds1);
       }
     }
     __syncthreads();

@@ -17,20 +17,20 @@ namespace flashcore::sm80 {
 // dq_accum has head_dim_tile columns: the kernel indexes it with kHeadDim.
 constexpr bool kBwdDqColsExact = false;
 
-template <int kHeadDim, typename Element>
+template <int kHeadDim, typename Element, bool /*kScoreMod: the same tiles*/>
 constexpr int bwd_smem_bytes() {
   return BwdKernelTraits<kHeadDim, Element>::kSmemBytes;
 }
 
-template <int kHeadDim, typename Element>
+template <int kHeadDim, typename Element, bool /*kScoreMod*/>
 constexpr int bwd_block_m() {
   return BwdKernelTraits<kHeadDim, Element>::kBlockM;
 }
 
-template <int kHeadDim, typename Element>
+template <int kHeadDim, typename Element, bool kScoreMod>
 void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
   using Traits = BwdKernelTraits<kHeadDim, Element>;
-  auto kernel = &bwd_sm80_kernel<Traits>;
+  auto kernel = &bwd_sm80_kernel<Traits, kScoreMod>;
   constexpr int kSmem = Traits::kSmemBytes;
 
   static std::atomic<uint64_t> configured_devices{0};

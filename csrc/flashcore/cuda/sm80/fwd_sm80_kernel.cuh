@@ -15,6 +15,7 @@
 
 #include "../../params.h"
 #include "../common/fragment_mask.cuh"
+#include "../common/fragment_score_mod.cuh"
 #include "../common/fwd_block.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/smem_tile.cuh"
@@ -52,7 +53,9 @@ struct FwdKernelTraits {
   static constexpr int kMinBlocksPerSm = kNThreads <= 128 ? 2 : 1;
 };
 
-template <typename Traits>
+// kScoreMod: the score-mod variant (softcap, ALiBi, or a scale that is not positive; score_mod.h), which turns each
+// tile's scores into logits before the mask and runs the softmax with scale 1.
+template <typename Traits, bool kScoreMod>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     fwd_sm80_kernel(const __grid_constant__ FwdParams p, const int num_m_blocks) {
   using Element = typename Traits::Element;
@@ -105,8 +108,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
 
     uint32_t q_regs[kMTiles][Traits::kQInRegs ? kKSteps : 1][4];
     const LaneOffsets a_off = lane_offsets_a(lane), b_off = lane_offsets_b(lane);
-    const bool negative_scale = !(p.scale_log2 > 0.f);  // also 0, where -inf * 0 would be NaN
-    const float softmax_scale = negative_scale ? 1.f : p.scale_log2;
+    // The plain kernel folds the (positive) scale into the softmax's exp2; the score-mod one transforms first.
+    ScoreMod mod;
+    if constexpr (kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, blk.b, blk.h);
+    const float softmax_scale = kScoreMod ? cuda::folded_softmax_scale(mod) : p.scale_log2;
 
     for (int it = 0; it < n_count; ++it) {
       const int n_block = n_end - 1 - it;
@@ -127,17 +132,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
       gemm_qk<QTile, KVTile, kMTiles, kNTiles, kKSteps, Traits::kQInRegs>(s, q_regs, sQ, sK + buf * KVTile::kElems,
                                                                          warp_row0, lane, a_off, b_off);
 
-      // A non-positive softmax scale reverses (or flattens) the order of scores: scale them first (before
-      // masking, so -inf stays -inf) and let the softmax use 1. The usual positive scale is folded into the
-      // exp2 FFMA instead.
-      if (negative_scale) {
-#pragma unroll
-        for (int mi = 0; mi < kMTiles; ++mi)
-#pragma unroll
-          for (int ni = 0; ni < kNTiles; ++ni)
-#pragma unroll
-            for (int e = 0; e < 4; ++e) s[mi][ni][e] *= p.scale_log2;
-      }
+      // Logits before the mask, so that hidden keys stay -inf whatever the transform.
+      if constexpr (kScoreMod)
+        cuda::apply_score_mod</*kFoldSoftcap=*/true>(s, frag_row0, n_block * kBlockN + frag_col_in_tile, mod);
       if (!unmasked.contains(n_block))
         cuda::apply_mask(s, frag_row0, n_block * kBlockN + frag_col_in_tile, band);
 
@@ -166,7 +163,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   // (4x8x512x64 on H100: 11.5 -> 13.6 us a call in a graph with the trigger at the start).
   ptx::allow_dependent_grids();
   float lse[2 * kMTiles];
-  softmax.finalize(o, lse);
+  softmax.finalize(o, lse, cuda::sink_log2(p, blk.h));
   __syncthreads();  // every warp is done reading sQ before the epilogue reuses it for O
   cuda::write_output<QTile, kNThreads>(o, lse, sQ, blk, p, warp_row0, lane);
 }

@@ -15,10 +15,10 @@
 
 namespace flashcore::sm80 {
 
-template <int kHeadDim, typename Element, int kBlockM, int kBlockN>
+template <int kHeadDim, typename Element, bool kScoreMod, int kBlockM, int kBlockN>
 void launch_fwd_tile(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraits<kHeadDim, Element, kBlockM, kBlockN>;
-  auto kernel = &fwd_sm80_kernel<Traits>;
+  auto kernel = &fwd_sm80_kernel<Traits, kScoreMod>;
   constexpr int kSmem = Traits::kSmemBytes;
 
   static std::atomic<uint64_t> configured_devices{0};
@@ -30,18 +30,19 @@ void launch_fwd_tile(const FwdParams& p, cudaStream_t stream) {
   cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, 1, p, num_m_blocks);
 }
 
-// A grid of kBlockM-row blocks that leaves multiprocessors idle runs the small-grid tile instead.
-template <int kHeadDim, typename Element>
+// A grid of kBlockM-row blocks that leaves multiprocessors idle runs the small-grid tile instead. kScoreMod: the
+// score-mod variant (fwd_sm80_kernel.cuh).
+template <int kHeadDim, typename Element, bool kScoreMod>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   using Config = FwdConfig<kHeadDim>;
   if constexpr (Config::kBlockMSmallGrid != Config::kBlockM || Config::kBlockNSmallGrid != Config::kBlockN) {
     const int64_t blocks = (p.seqlen_q + Config::kBlockM - 1) / Config::kBlockM * p.batch * p.heads_q;
     if (blocks < at::cuda::getCurrentDeviceProperties()->multiProcessorCount) {
-      launch_fwd_tile<kHeadDim, Element, Config::kBlockMSmallGrid, Config::kBlockNSmallGrid>(p, stream);
+      launch_fwd_tile<kHeadDim, Element, kScoreMod, Config::kBlockMSmallGrid, Config::kBlockNSmallGrid>(p, stream);
       return;
     }
   }
-  launch_fwd_tile<kHeadDim, Element, Config::kBlockM, Config::kBlockN>(p, stream);
+  launch_fwd_tile<kHeadDim, Element, kScoreMod, Config::kBlockM, Config::kBlockN>(p, stream);
 }
 
 }  // namespace flashcore::sm80

@@ -20,6 +20,7 @@
 
 #include "../../params.h"
 #include "../common/fragment_mask.cuh"
+#include "../common/fragment_score_mod.cuh"
 #include "../common/pack.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../ptx/tma.cuh"
@@ -116,31 +117,56 @@ __device__ __forceinline__ void load_query_pairs(const float* values, int col0, 
 // Scale, mask and exp2 are three passes: with the mask inside the exp2 loop, every element carried a branch and a
 // 64-bit compare (SASS: FFMA, BRA, PLOP3, MUFU per element) and the exp2s issued one at a time. The mask comes
 // after the scaling, so that a zero or negative scale cannot turn a hidden -inf into NaN or +inf.
-template <int kQTiles>
-__device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], const float2 (&lse_log2)[kQTiles],
-                                                const BwdParams& p, const Band& band, int m0, int col0, int key_lo,
+// kScoreMod (the score-mod variant, score_mod.h): the scores become logits first (softcap, ALiBi), and dtanh
+// receives each element's 1 - tanh^2 for dscores_t, packed as fp16 pairs (in [0, 1], 2^-11 relative: below the
+// rounding of dS itself; fp32 would cost the consumers 2 x kQTiles registers they do not have and spill); otherwise
+// the scale is one FFMA with the lse.
+template <int kQTiles, bool kScoreMod>
+__device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], uint32_t (&dtanh)[2 * kQTiles],
+                                                const float2 (&lse_log2)[kQTiles], const BwdParams& p,
+                                                const ScoreMod& mod, const Band& band, int m0, int col0, int key_lo,
                                                 bool needs_mask, int t) {
+  if constexpr (kScoreMod) cuda::apply_score_mod_transposed<kQTiles>(s, dtanh, key_lo, m0 + col0 + 2 * t, mod);
 #pragma unroll
   for (int ni = 0; ni < kQTiles; ++ni) {
     const float2 lse = lse_log2[ni];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) s[4 * ni + e] = s[4 * ni + e] * p.scale_log2 - ((e & 1) ? lse.y : lse.x);
+    for (int e = 0; e < 4; ++e) {
+      const float l = (e & 1) ? lse.y : lse.x;
+      s[4 * ni + e] = kScoreMod ? s[4 * ni + e] - l : s[4 * ni + e] * p.scale_log2 - l;
+    }
   }
   if (needs_mask) cuda::apply_mask_transposed<kQTiles>(s, key_lo, m0 + col0 + 2 * t, band);
 #pragma unroll
   for (int i = 0; i < 4 * kQTiles; ++i) s[i] = exp2f(s[i]);
 }
 
-// dS^T = P^T * (dP^T - dsum[query]) in place of dP^T, for the same columns as probabilities_t.
+// x[4 ni + e] *= the fp16 pair dtanh[2 ni + e / 2]'s element e % 2 (probabilities_t's packing).
 template <int kQTiles>
+__device__ __forceinline__ void scale_by_fp16_pairs(float (&x)[4 * kQTiles], const uint32_t (&dtanh)[2 * kQTiles]) {
+#pragma unroll
+  for (int ni = 0; ni < kQTiles; ++ni)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const __half2 h = *reinterpret_cast<const __half2*>(&dtanh[2 * ni + (e >> 1)]);
+      x[4 * ni + e] *= __half2float((e & 1) ? h.y : h.x);
+    }
+}
+
+// dS^T = P^T * (dP^T - dsum[query]) in place of dP^T, for the same columns as probabilities_t; times the
+// softcap's derivative where kScoreMod (the consumers that did not fold it into P's copy already).
+template <int kQTiles, bool kScoreMod>
 __device__ __forceinline__ void dscores_t(float (&dp)[4 * kQTiles], const float (&pt)[4 * kQTiles],
-                                          const float2 (&dsum)[kQTiles]) {
+                                          const float2 (&dsum)[kQTiles], const uint32_t (&dtanh)[2 * kQTiles]) {
 #pragma unroll
   for (int ni = 0; ni < kQTiles; ++ni) {
     const float2 d = dsum[ni];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dp[4 * ni + e] = pt[4 * ni + e] * (dp[4 * ni + e] - ((e & 1) ? d.y : d.x));
+    for (int e = 0; e < 4; ++e) {
+      dp[4 * ni + e] = pt[4 * ni + e] * (dp[4 * ni + e] - ((e & 1) ? d.y : d.x));
+    }
   }
+  if constexpr (kScoreMod) scale_by_fp16_pairs<kQTiles>(dp, dtanh);
 }
 
 // Epilogue: dK (scaled) and dV of this thread's two keys (key_lo, key_lo + 8), columns col0 + 8 ni + 2t (+1),
@@ -215,7 +241,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   // queued: the proxy fence waits for the staging stores, and done at the end of the step (ncu: FENCE.VIEW.ASYNC
   // and WARPSYNC, ~10 % of the consumers' stall samples) it held back the next step's wgmma, so the tensor cores
   // idled once dK had retired. Here it still stalls the warp, but behind queued S^T/dP^T work (docs/PERFORMANCE.md,
-  // sixth session; after dK retires instead measured no faster).
+  // ablation; handing off after dK retires instead measured no faster).
   auto hand_off_dq = [&] {
     ptx::fence_proxy_async_shared();
     __syncwarp();
@@ -253,7 +279,10 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     ptx::fence_operand(s);
     if constexpr (!kPreload) load_query_pairs<kQTiles>(stats, 0, t, lse);
     const bool needs_mask = !unmasked.contains(cursor.m_index);
-    probabilities_t<kQTiles>(s, lse, p, band, m0, 0, key_lo, needs_mask, t);
+    uint32_t dtanh[kSVals / 2];  // score-mod variant only: 1 - tanh^2, fp16 pairs
+    ScoreMod mod;
+    if constexpr (Traits::kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, blk.b, cursor.head);
+    probabilities_t<kQTiles, Traits::kScoreMod>(s, dtanh, lse, p, mod, band, m0, 0, key_lo, needs_mask, t);
     // dV needs only P: with 64-row steps it goes to the tensor cores behind dP^T and runs while dS is computed.
     // With 128-row steps P, dP and P's fragments would not fit in registers together: dV waits for dS.
     constexpr bool kDvBeforeDs = kBlockM == 64;
@@ -267,6 +296,9 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     if constexpr (kDvBeforeDs) {
       pack_a_fragments<Element>(s, pa);
       issue_dv();
+      // Score-mod variant: P's copy for dS takes the softcap's derivative now (dS = P dtanh (dP - dsum)), so the
+      // derivative's registers are free before dP^T lands (they would spill at hdim 128 otherwise).
+      if constexpr (Traits::kScoreMod) scale_by_fp16_pairs<kQTiles>(s, dtanh);
       load_query_pairs<kQTiles>(stats + kBlockM, 0, t, dsum_q);
       ptx::wgmma_wait<1>();  // groups retire in order: dP^T is done, dV may still run
     } else {
@@ -274,7 +306,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
       load_query_pairs<kQTiles>(stats + kBlockM, 0, t, dsum_q);
     }
     ptx::fence_operand(dp);
-    dscores_t<kQTiles>(dp, s, dsum_q);
+    dscores_t<kQTiles, Traits::kScoreMod && !kDvBeforeDs>(dp, s, dsum_q, dtanh);
     pack_a_fragments<Element>(dp, dsa);
     if constexpr (!kDvBeforeDs) {
       pack_a_fragments<Element>(s, pa);

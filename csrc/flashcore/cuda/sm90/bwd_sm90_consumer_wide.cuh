@@ -100,11 +100,14 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
     const bool needs_mask = !unmasked.contains(cursor.m_index);
-    probabilities_t<kQTiles>(s, lse, p, band, m0, q_lo, key_lo, needs_mask, t);
+    uint32_t dtanh[kSVals / 2];  // score-mod variant only: 1 - tanh^2, fp16 pairs
+    ScoreMod mod;
+    if constexpr (Traits::kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, blk.b, cursor.head);
+    probabilities_t<kQTiles, Traits::kScoreMod>(s, dtanh, lse, p, mod, band, m0, q_lo, key_lo, needs_mask, t);
     load_query_pairs<kQTiles>(stats + kBlockM, q_lo, t, dsum_q);
     ptx::wgmma_wait<0>();
     ptx::fence_operand(dp);
-    dscores_t<kQTiles>(dp, s, dsum_q);
+    dscores_t<kQTiles, Traits::kScoreMod>(dp, s, dsum_q, dtanh);
 
     // This warpgroup's query columns of P^T and dS^T (rows = keys) to shared memory, the next step's lse/dsum
     // beside them; the fence and the barrier make every consumer's writes visible to every consumer's wgmma.

@@ -20,19 +20,19 @@ namespace flashcore::sm90 {
 // e.g. 96 in the 128 tile, so the accumulator is no larger than the mma.sync family's).
 constexpr bool kBwdDqColsExact = true;
 
-template <int kHeadDim, typename Element>
+template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr int bwd_smem_bytes() {
-  return BwdSm90Traits<kHeadDim, Element>::kSmemBytes;
+  return BwdSm90Traits<kHeadDim, Element, kScoreMod>::kSmemBytes;
 }
 
-template <int kHeadDim, typename Element>
+template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr int bwd_block_m() {
-  return BwdSm90Traits<kHeadDim, Element>::kBlockM;
+  return BwdSm90Traits<kHeadDim, Element, kScoreMod>::kBlockM;
 }
 
-template <int kHeadDim, typename Element>
+template <int kHeadDim, typename Element, bool kScoreMod>
 void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
-  using Traits = BwdSm90Traits<kHeadDim, Element>;
+  using Traits = BwdSm90Traits<kHeadDim, Element, kScoreMod>;
   auto kernel = &bwd_sm90_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
   static std::atomic<uint64_t> configured_devices{0};

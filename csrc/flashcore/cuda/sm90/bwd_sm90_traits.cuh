@@ -10,9 +10,11 @@
 
 namespace flashcore::sm90 {
 
-template <int kHeadDim_, typename Element_>
+// kScoreMod_: the score-mod variant (softcap, ALiBi, or a scale that is not positive; score_mod.h).
+template <int kHeadDim_, typename Element_, bool kScoreMod_ = false>
 struct BwdSm90Traits {
   using Element = Element_;
+  static constexpr bool kScoreMod = kScoreMod_;
   using Config = BwdSm90Config<kHeadDim_>;
   // kHeadDim is the width the GEMMs compute; the shared-memory tiles are whole 64-element swizzle spans
   // (kTileCols). Head dim 96 keeps the 128-wide tiles: S^T and dP^T take 6 k-steps, dV and dK are n96, and the
@@ -26,7 +28,9 @@ struct BwdSm90Traits {
   static constexpr bool kSplitHeadDim = kHeadDim > 128;
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kWarpgroups;       // keys of a block
   static constexpr int kWgCols = kSplitHeadDim ? kHeadDim / kWarpgroups : kHeadDim;  // dK/dV columns a warpgroup
-  static constexpr int kBlockM = Config::kBlockM;          // query rows of one step
+  // Query rows of one step. The score-mod variant keeps 64-row steps at head dim 64 too: 128-row steps hold twice
+  // the S^T, dP^T and softcap-derivative registers, which spilled 1 KB there.
+  static constexpr int kBlockM = kScoreMod && Config::kBlockM > 64 ? 64 : Config::kBlockM;
   static_assert(kBlockM == 64 || kBlockM == 128, "a step is one or two m64 query tiles");
   static_assert(!kSplitHeadDim || (kBlockM == 64 && kWarpgroups == 2 && kWgCols % 64 == 0),
                 "split head dim: each warpgroup computes S^T for half of a 64-row step");

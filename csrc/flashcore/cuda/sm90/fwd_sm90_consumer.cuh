@@ -14,6 +14,7 @@
 #include "../ptx/warpgroup.cuh"
 #include "../ptx/wgmma_sm90.cuh"
 #include "../common/fragment_mask.cuh"
+#include "../common/fragment_score_mod.cuh"
 #include "../common/fwd_block.cuh"
 #include "../common/online_softmax.cuh"
 #include "../common/pack.cuh"
@@ -68,8 +69,10 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   uint32_t pa[kBlockN / 16][4];  // P of the previous tile as wgmma A fragments
   uint32_t(&pa_flat)[kBlockN / 4] = *reinterpret_cast<uint32_t(*)[kBlockN / 4]>(&pa[0][0]);
 
-  const bool negative_scale = !(p.scale_log2 > 0.f);
-  const float softmax_scale = negative_scale ? 1.f : p.scale_log2;
+  // The plain kernel folds the (positive) scale into the softmax's exp2; the score-mod one transforms first.
+  ScoreMod mod;
+  if constexpr (Traits::kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, blk.b, blk.h);
+  const float softmax_scale = Traits::kScoreMod ? cuda::folded_softmax_scale(mod) : p.scale_log2;
 
   // S = Q K^T of ring stage `stage` into t, issued asynchronously.
   auto issue_qk_into = [&](int stage, STile& t) {
@@ -89,14 +92,11 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
       MmaPV::rs(o_flat, pa[kk], mnmajor_desc(v_addr + stage * Traits::kKVBytes, kBlockN, kk), true);
     ptx::wgmma_commit();
   };
-  // Scale, mask and fold the scores t of key tile n_block into the running softmax; t becomes P.
+  // Transform (score-mod variant), mask and fold the scores t of key tile n_block into the running softmax; t
+  // becomes P. Logits before the mask, so that hidden keys stay -inf whatever the transform.
   auto softmax_on = [&](int n_block, float (&correction)[2], STile& t) {
-    if (negative_scale) {
-#pragma unroll
-      for (int ni = 0; ni < kNTiles; ++ni)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) t[0][ni][e] *= p.scale_log2;
-    }
+    if constexpr (Traits::kScoreMod)
+      cuda::apply_score_mod</*kFoldSoftcap=*/true>(t, frag_row0, n_block * kBlockN + frag_col_in_tile, mod);
     if (!unmasked.contains(n_block))
       cuda::apply_mask(t, frag_row0, n_block * kBlockN + frag_col_in_tile, band);
     return softmax.step(t, softmax_scale, correction);
@@ -115,8 +115,9 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   auto pack_p = [&] { pack_from(s); };
   // Waits until at most kPending wgmma groups are in flight (the P V of the previous tile has retired: o and pa
   // are free), then rescales o. The row sums (which every exp2 of the softmax feeds) are first stored to this
-  // warp's scratch slot: ptxas hoisted the WARPGROUP.DEPBAR above the whole softmax otherwise (every variant up to
-  // eb27a69), and the softmax then waited for the P V it is meant to overlap (tests/test_sass.py checks the order).
+  // warp's scratch slot: ptxas hoisted the WARPGROUP.DEPBAR above the whole softmax otherwise (in every sm90
+  // forward kernel), and the softmax then waited for the P V it is meant to overlap (tests/test_sass.py checks the
+  // order).
   const uint32_t order_slot = ptx::smem_addr(smem.order_slots + (threadIdx.x >> 5));
   auto wait_pv_then_rescale = [&](auto pending_constant, const float(&correction)[2], bool moved) {
     constexpr int kPending = decltype(pending_constant)::value;
@@ -264,7 +265,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   }
 
   float lse[2];
-  softmax.finalize(o, lse);
+  // A key split's sink is counted once, by rank 0 (the merge adds the other slices to it).
+  softmax.finalize(o, lse, blk.split_rank == 0 ? cuda::sink_log2(p, blk.h) : -INFINITY);
   if constexpr (Traits::kSplitKeys) {
     if (blk.num_splits > 1 && !merge_key_splits<Traits>(o_flat, lse, smem, blk)) return;
   }

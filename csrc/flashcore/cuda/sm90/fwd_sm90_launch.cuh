@@ -92,7 +92,7 @@ void launch_fwd_grid(const FwdParams& p, int num_sms, cudaStream_t stream, int s
 
   const int num_m_blocks = (int)((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   const int64_t num_tiles = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked <= INT32_MAX
-  // Tile scheduling (docs/PERFORMANCE.md, "Persistent grid"). A persistent grid (one block per SM, the shared
+  // Tile scheduling (docs/PERFORMANCE.md, ablation: persistent grid). A persistent grid (one block per SM, the shared
   // memory allows no more) walks tiles gridDim.x apart, so the next tile's K/V loads overlap this tile's epilogue:
   // that pays where a tile's key loop is short and its prologue/epilogue a large share (16x16x2048x128: +8-15 %).
   // It is not used (one block per tile, handed out by the hardware in fwd_block's order) when
@@ -104,7 +104,8 @@ void launch_fwd_grid(const FwdParams& p, int num_sms, cudaStream_t stream, int s
   const bool persistent =
       Traits::kPersistent && !p.mask.banded() && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
   const int64_t grid = (persistent && num_tiles > num_sms) ? num_sms : num_tiles * splits;
-  record_kernel(Pass::kFwd, KernelTrace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, splits, Traits::kCompact});
+  record_kernel(Pass::kFwd, KernelTrace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, splits, Traits::kCompact,
+                                        Traits::kScoreMod});
   static cuda::PdlSupport pdl;
   cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, (unsigned)splits, p,
                       tm_q, tm_k, tm_v, tm_o, num_m_blocks, (int)num_tiles);
@@ -123,10 +124,12 @@ void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
     const int splits = pick_key_splits<Traits>(p, num_tiles, num_sms, [&](int s) {
       return cuda::max_active_clusters(kernel, dim3(Traits::kNThreads), kSmem, (unsigned)s, occupancy);
     });
-    if (splits == 1 && longest_walk_tiles(p, Traits::kBlockM, Traits::kBlockN) < Traits::kDeepMinTiles) {
-      using Compact = FwdSm90Traits<Traits::kHeadDim, Element, 1, Traits::kBlockN, true>;
-      launch_fwd_grid<Compact>(p, num_sms, stream, 1);
-      return;
+    if constexpr (!Traits::kScoreMod) {  // the score-mod variants leave the compact kernel out (build time)
+      if (splits == 1 && longest_walk_tiles(p, Traits::kBlockM, Traits::kBlockN) < Traits::kDeepMinTiles) {
+        using Compact = FwdSm90Traits<Traits::kHeadDim, Element, 1, Traits::kBlockN, true>;
+        launch_fwd_grid<Compact>(p, num_sms, stream, 1);
+        return;
+      }
     }
     launch_fwd_grid<Traits>(p, num_sms, stream, splits);
   } else {
@@ -160,12 +163,24 @@ void launch_fwd_width(const FwdParams& p, int num_sms, cudaStream_t stream) {
   launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWarpgroups>>(p, num_sms, stream);
 }
 
-template <int kHeadDim, typename Element>
+// kScoreMod: the score-mod variants (FwdSm90Traits), built for two block widths only (one warpgroup, with key
+// splits, and the configured width) and the causal key tile, to bound the build: softcap and ALiBi are rarer
+// calls, and the plain kernels' other variants buy a few percent at their shapes.
+template <int kHeadDim, typename Element, bool kScoreMod>
 void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr int kWide = FwdSm90Config<kHeadDim>::kWarpgroups;
   constexpr int kMid = kWide > 2 ? 2 : kWide;  // a third variant only where the wide block has 3 warpgroups
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int w = pick_consumer_warpgroups(p, kWide, num_sms);
+  if constexpr (kScoreMod) {
+    if (w == 1)
+      launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, 1, FwdSm90Config<kHeadDim>::kBlockN, false, true>>(
+          p, num_sms, stream);
+    else
+      launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWide, FwdSm90Config<kHeadDim>::kBlockN, false, true>>(
+          p, num_sms, stream);
+    return;
+  }
   if (w == 1) {
     launch_fwd_width<kHeadDim, Element, 1>(p, num_sms, stream);
   } else if (w == kMid) {

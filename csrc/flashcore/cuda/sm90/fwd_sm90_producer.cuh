@@ -51,7 +51,7 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
     // interleaves the boxes in flight (docs/experiments/tma_ingest.cu: the first box lands later the more there
     // are), and a block that issued Q and a full ring of K/V tiles at once got its first K late; with at most two
     // boxes in flight the first S starts earlier and each later tile still lands before it is needed (head dim 64,
-    // docs/PERFORMANCE.md, eleventh session).
+    // docs/PERFORMANCE.md, ablation).
     if constexpr (Traits::kCompact) ptx::mbarrier_wait(&smem.k_full[stage], (uint32_t)((use / Traits::kStages) & 1));
 
     if (reused) ptx::mbarrier_wait(&smem.v_empty[stage], parity);

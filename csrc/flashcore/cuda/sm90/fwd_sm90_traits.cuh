@@ -16,8 +16,10 @@ namespace flashcore::sm90 {
 // whose walks are shorter than kDeepMinTiles: such a block runs its code once, cold, and every jump over code it
 // does not use costs instruction-cache misses (ncu, 1x8x512x64: ~15 % of the stall samples were instruction fetch
 // in the epilogue, which sat behind both; docs/PERFORMANCE.md).
+// kScoreMod_: the score-mod variant (softcap, ALiBi, or a scale that is not positive; score_mod.h): each tile's
+// scores become logits before the mask, and the softmax runs with scale 1.
 template <int kHeadDim_, typename Element_, int kWarpgroups_ = FwdSm90Config<kHeadDim_>::kWarpgroups,
-          int kBlockN_ = FwdSm90Config<kHeadDim_>::kBlockN, bool kCompact_ = false>
+          int kBlockN_ = FwdSm90Config<kHeadDim_>::kBlockN, bool kCompact_ = false, bool kScoreMod_ = false>
 struct FwdSm90Traits {
   using Element = Element_;
   using Config = FwdSm90Config<kHeadDim_>;
@@ -33,6 +35,7 @@ struct FwdSm90Traits {
   static constexpr int kBlockM = 64 * kWarpgroups;
   static constexpr int kBlockN = kBlockN_;
   static constexpr bool kCompact = kCompact_;
+  static constexpr bool kScoreMod = kScoreMod_;
   static_assert(!kCompact || kWarpgroups == 1, "compact variants are one-warpgroup blocks");
   static_assert(kBlockN % 16 == 0, "P V takes k16 steps over a tile's keys");
   static constexpr int kStages = Config::kStages;
@@ -43,7 +46,7 @@ struct FwdSm90Traits {
   // setmaxnreg only moves registers within what the block was given at launch: ptxas's per-thread count times
   // the threads, that count being the __launch_bounds__ cap for these kernels (-Xptxas=-v: 168 at 384 threads).
   // Asking for more makes setmaxnreg.inc wait forever: a 32-register producer with two 240-register consumer
-  // warpgroups hangs (found on the H100, 2026-11-23).
+  // warpgroups hangs (found on the H100).
   static constexpr int kLaunchRegs = ptx::launch_regs_per_thread(kNThreads);
   // The configured split is for the configured width; a narrower variant gives its consumers what the launch
   // allocation leaves, up to kNarrowCap (240; a one-warpgroup block, launched with 248 a thread, gives them 248,
