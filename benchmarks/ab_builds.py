@@ -11,9 +11,8 @@ call (FLASHCORE_KEY_SPLITS, FLASHCORE_FORCE_KERNEL, ...) can be compared within 
 
     python benchmarks/ab_builds.py fc.so@FLASHCORE_KEY_SPLITS=1 fc.so --graph -- --shapes small --modes fwd
 
-Build the variants first (e.g. `git apply docs/experiments/X.patch`, a dev build, `strip --strip-debug` the
-`.so` to a new name); docs/experiments/README.md lists the prepared ones. The installed `.so` is restored at the
-end.
+Build the variants first (a dev build of each variant tree, `strip --strip-debug` the `.so` to a new name). The
+installed `.so` is restored at the end.
 """
 
 from __future__ import annotations
@@ -70,8 +69,9 @@ def main() -> int:
                    "lower is better) instead of TFLOP/s; bench.py must not get --no-graph")
     p.add_argument("--keep", default=None, metavar="DIR", help="write the raw JSON of every run into DIR")
     p.add_argument("--pytest", default=None, metavar="ARGS",
-                   help="before the first round, run `pytest ARGS` with each build installed (e.g. \"tests/test_cuda.py "
-                   "-q -x -k 'sm90 and forward'\"); a build whose tests fail is reported and left out of the timing")
+                   help="before the first round, run `pytest ARGS` with each build installed (e.g. "
+                   "\"tests/test_cuda_forward.py "
+                   "-q -x -k sm90\"); a build whose tests fail is reported and left out of the timing")
     args = p.parse_args(argv)
     if len(set(args.builds)) != len(args.builds):
         p.error("a build is listed twice")

@@ -9,6 +9,8 @@ clock. See benchmarks/README.md for the method and the meaning of the columns; `
     python benchmarks/bench.py --shapes small,decode --modes fwd
     python benchmarks/bench.py --shapes sweep --plot sweep.png
     python benchmarks/bench.py --shape 4,32,8,8192,8192,128,bf16,causal
+    python benchmarks/bench.py --shapes variants --backends flashcore,fa4,sdpa   # window, softcap
+    python benchmarks/bench.py --compare before.json after.json                 # an A/B of two runs
 """
 
 from __future__ import annotations
@@ -78,6 +80,8 @@ class Shape:
     dtype: str  # "fp16", "bf16", "fp32", "fp64"
     causal: bool
     fwd_only: bool = False  # decode: a backward of one query token is not a workload anyone runs
+    window: tuple = (-1, -1)  # sliding window (left, right), -1 = unbounded; aligned like is_causal (Sq = Sk here)
+    softcap: float = 0.0
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -87,13 +91,27 @@ class Shape:
     def gqa(self) -> bool:
         return self.Hq != self.Hkv
 
+    @property
+    def variant(self) -> bool:
+        return self.window != (-1, -1) or self.softcap > 0
+
     def label(self) -> str:
         heads = f"{self.Hq}" if self.Hq == self.Hkv else f"{self.Hq}/{self.Hkv}"
         seq = f"{self.Sq}" if self.Sq == self.Sk else f"{self.Sq}/{self.Sk}"
-        return f"{self.B}x{heads}x{seq}x{self.D}"
+        extra = (f" w{self.window[0]},{self.window[1]}" if self.window != (-1, -1) else "") + (
+            f" cap{self.softcap:g}" if self.softcap > 0 else "")
+        return f"{self.B}x{heads}x{seq}x{self.D}{extra}"
 
     def visible_pairs(self) -> int:
-        """(query, key) pairs computed. Causal is top-left aligned (SDPA): query i sees keys 0..i."""
+        """(query, key) pairs computed. Causal is top-left aligned (SDPA): query i sees keys 0..i; a window
+        counts only the pairs it shows (exactly, top-left aligned)."""
+        if self.window != (-1, -1):
+            left, right = self.window
+            right = 0 if self.causal else right
+            i = torch.arange(self.Sq, dtype=torch.int64)
+            hi = (i + right).clamp(max=self.Sk - 1) if right >= 0 else torch.full_like(i, self.Sk - 1)
+            lo = (i - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+            return int((hi - lo + 1).clamp(min=0).sum())
         if not self.causal:
             return self.Sq * self.Sk
         if self.Sq == self.Sk:
@@ -144,6 +162,15 @@ SHAPE_LISTS: dict[str, list[Shape]] = {
         *_both(4, 32, 8192, 128, "fp16", Hkv=8),
         _one(4, 16, 8192, 256, "bf16", False),
         _one(4, 32, 8192, 128, "bf16", False, Hkv=8),
+    ],
+    # the attention variants beside the dense kernels they build on (window 4096 at 16k causal, softcap 30 at 8k)
+    "variants": [
+        _one(2, 16, 16384, 128, "bf16", True),
+        Shape(2, 16, 16, 16384, 16384, 128, "bf16", True, window=(4096, 0)),
+        _one(4, 16, 8192, 128, "bf16", False),
+        Shape(4, 16, 16, 8192, 8192, 128, "bf16", False, softcap=30.0),
+        _one(4, 16, 8192, 128, "bf16", True),
+        Shape(4, 16, 16, 8192, 8192, 128, "bf16", True, softcap=30.0),
     ],
     # one query token against a long KV cache (GQA 32/8): memory bound, forward only
     "decode": [Shape(8, 32, 8, 1, 8192, 128, "fp16", False, fwd_only=True)],
@@ -209,14 +236,68 @@ class Backend:
     call: Callable  # call(q, k, v, shape) -> out
     context: Callable = contextlib.nullcontext  # entered around every call of this backend (timing included)
     unavailable: Optional[str] = None  # reason, when the backend cannot run at all on this machine
+    prepare: Optional[Callable] = None  # prepare(q, k, v) -> the inputs this backend is timed on (its layout)
+
+
+_WINDOW_MASKS: dict = {}
+
+
+def window_mask(shape: Shape, device) -> torch.Tensor:
+    """The boolean (Sq, Sk) mask of a windowed shape, for SDPA (cached: one per shape)."""
+    key = (shape.Sq, shape.Sk, shape.window, shape.causal, str(device))
+    if key not in _WINDOW_MASKS:
+        i = torch.arange(shape.Sq, device=device)[:, None]
+        j = torch.arange(shape.Sk, device=device)[None, :]
+        left, right = shape.window
+        right = 0 if shape.causal else right
+        vis = torch.ones(shape.Sq, shape.Sk, dtype=torch.bool, device=device)
+        if left >= 0:
+            vis &= j >= i - left
+        if right >= 0:
+            vis &= j <= i + right
+        _WINDOW_MASKS.clear()
+        _WINDOW_MASKS[key] = vis
+    return _WINDOW_MASKS[key]
 
 
 def _sdpa(q, k, v, shape):
+    if shape.softcap > 0:
+        raise NotImplementedError("SDPA has no softcap")
+    if shape.window != (-1, -1):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=window_mask(shape, q.device), enable_gqa=shape.gqa)
     return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa)
 
 
 def _flashcore(q, k, v, shape):
-    return flashcore.attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa)
+    variant = {}
+    if shape.window != (-1, -1):
+        variant["window_size"] = shape.window
+    if shape.softcap > 0:
+        variant["softcap"] = shape.softcap
+    return flashcore.attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, **variant)
+
+
+try:  # FlashAttention-4 (the flash-attn-4 package, CuTe-DSL kernels): an optional anchor, BSHD inputs
+    from flash_attn.cute import flash_attn_func as _fa4_func
+
+    FA4_IMPORT_ERROR: Optional[str] = None
+except Exception as e:  # noqa: BLE001
+    _fa4_func = None
+    FA4_IMPORT_ERROR = f"flash_attn.cute cannot be imported ({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+
+
+def _fa4(q, k, v, shape):
+    window = tuple(None if w < 0 else w for w in shape.window)
+    out = _fa4_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=shape.causal,
+                    window_size=window, softcap=shape.softcap)
+    out = out[0] if isinstance(out, tuple) else out
+    return out.transpose(1, 2)
+
+
+def bshd_storage(q, k, v):
+    """BHSD views of BSHD-contiguous copies (leaves, requiring grad as the originals): FA4's native layout."""
+    return tuple(t.detach().transpose(1, 2).contiguous().requires_grad_(t.requires_grad).transpose(1, 2)
+                 for t in (q, k, v))
 
 
 def flashcore_status(device: str) -> Optional[str]:
@@ -238,6 +319,8 @@ def backend_registry(device: str) -> dict[str, Backend]:
     reg = {
         "flashcore": Backend("flashcore", _flashcore, unavailable=flashcore_status(device)),
         "sdpa": Backend("sdpa", _sdpa),
+        "fa4": Backend("fa4", _fa4, unavailable=FA4_IMPORT_ERROR or (None if device == "cuda" else "GPU only"),
+                       prepare=bshd_storage),
     }
     forced = {
         "sdpa-flash": "FLASH_ATTENTION",
@@ -255,7 +338,7 @@ def backend_registry(device: str) -> dict[str, Backend]:
 
 
 DEFAULT_BACKENDS = {
-    "cuda": ["flashcore", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"],
+    "cuda": ["flashcore", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"] + (["fa4"] if _fa4_func else []),
     "cpu": ["flashcore", "sdpa"],
 }
 
@@ -438,17 +521,21 @@ def run_mode(shape: Shape, mode: str, backends: list[Backend], args, device: str
 
     # 1. probe every backend once; the first output of SDPA default is the reference
     results, live = {}, []
+    own_inputs = {be.name: be.prepare(*inputs) if be.prepare and not be.unavailable else inputs for be in backends}
     for be in backends:
         r = {"status": "ok"}
         if be.unavailable:
             r.update(status="n/a", reason=be.unavailable)
         else:
-            res, reason = probe(be, shape, inputs, mode, dout)
+            res, reason = probe(be, shape, own_inputs[be.name], mode, dout)
             if reason:
                 r.update(status="n/a", reason=reason)
             else:
                 results[be.name] = res
                 live.append(be)
+                if be.name == "flashcore" and hasattr(flashcore, "last_kernel"):  # the kernels that really ran
+                    r["kernel"] = flashcore.last_kernel("fwd") + (
+                        f" / bwd {flashcore.last_kernel('bwd')}" if mode == FWDBWD else "")
         rec["backends"][be.name] = r
     ref_name = "sdpa" if "sdpa" in results else next((n for n in results if n != "flashcore"), None)
     rec["reference"] = ref_name
@@ -467,7 +554,7 @@ def run_mode(shape: Shape, mode: str, backends: list[Backend], args, device: str
 
     # 2. per-backend steps, peak memory and (GPU) graphs
     cuda = device == "cuda"
-    steps = {be.name: make_step(be, shape, inputs, mode, dout) for be in live}
+    steps = {be.name: make_step(be, shape, own_inputs[be.name], mode, dout) for be in live}
     if cuda:
         for be in live:
             rec["backends"][be.name]["peak_mib"] = peak_extra_mib(steps[be.name], be.context)
@@ -687,6 +774,8 @@ def shape_summary(shape_rec: dict) -> str:
              f"flashcore kernel: {shape_rec['flashcore_kernel']}"]
     for m in shape_rec["modes"]:
         fc = m["backends"].get("flashcore", {})
+        if "kernel" in fc:
+            parts.append(f"{m['mode']} ran {fc['kernel']}")
         if "max_abs_err" in fc:
             parts.append(f"{m['mode']} max|fc-{m['reference']}| {fc['max_abs_err']:.2e}"
                          + (" WRONG" if fc.get("wrong") else ""))
@@ -852,6 +941,9 @@ def parse_args(argv=None):
                    help="PNG of TFLOP/s vs sequence length (default: next to the JSON when there is a sweep)")
     p.add_argument("--threads", type=int, default=None, help="CPU: torch.set_num_threads (default: torch's)")
     p.add_argument("--list", action="store_true", help="print the shape lists and exit")
+    p.add_argument("--compare", nargs=2, metavar=("A.json", "B.json"),
+                   help="print two results side by side (ratio per row, changes beyond the measured spread "
+                        "marked) and exit; --backends filters the rows")
     p.add_argument("-v", "--verbose", action="store_true", help="tracebacks for failures")
     args = p.parse_args(argv)
     args.modes = [m.strip().replace("+", "").replace("-", "") for m in args.modes.split(",") if m.strip()]
@@ -863,6 +955,9 @@ def parse_args(argv=None):
 
 def main(argv=None) -> int:
     parser, args = parse_args(argv)
+    if args.compare:
+        print(compare(*args.compare, backends=args.backends.split(",") if args.backends else None))
+        return 0
     if args.list:
         for name, shapes in SHAPE_LISTS.items():
             print(f"{name}:")
@@ -945,6 +1040,52 @@ def main(argv=None) -> int:
     if args.clock_log is not None:
         args.clock_log.close()
     return 0
+
+
+def compare(path_a: str, path_b: str, backends: Optional[list[str]] = None) -> str:
+    """Two JSON results side by side: per (shape, mode, backend) in both, the p50 times (backward-only time for
+    fwdbwd rows that have it), B's speed relative to A (t_A / t_B, > 1: B faster), and '*' where that change is
+    larger than the rounds' spread measured in either run (their min..max of the round medians)."""
+    runs = []
+    for path in (path_a, path_b):
+        with open(path) as f:
+            runs.append(json.load(f))
+
+    def rows_of(doc):
+        out = {}
+        for rec in doc["results"]:
+            s = rec["shape"]
+            for m in rec.get("modes", []):
+                for name, r in m.get("backends", {}).items():
+                    if "p50_ms" not in r or (backends and name not in backends):
+                        continue
+                    spread = max(r["median_of_rounds_ms"] / r["rounds_min_ms"] - 1,
+                                 r["rounds_max_ms"] / r["median_of_rounds_ms"] - 1)
+                    t, what = (r["bwd_ms"], "bwd") if r.get("bwd_ms") else (r["p50_ms"], m["mode"])
+                    key = (rec["label"], s["dtype"], "causal" if s["causal"] else "full", what, name)
+                    out[key] = (t, spread, r.get("bwd_tflops") if what == "bwd" else r.get("tflops"))
+        return out
+
+    a, b = rows_of(runs[0]), rows_of(runs[1])
+    lines = [f"A: {path_a} ({runs[0]['meta'].get('gpu', runs[0]['meta'].get('device'))}, "
+             f"{runs[0]['meta'].get('date')})",
+             f"B: {path_b} ({runs[1]['meta'].get('gpu', runs[1]['meta'].get('device'))}, "
+             f"{runs[1]['meta'].get('date')})",
+             "speed B/A = t(A) / t(B): > 1 means B is faster; * = change beyond the larger round spread",
+             f"{'shape':<28} {'dtype':<5} {'mask':<6} {'mode':<6} {'backend':<12} {'A ms':>9} {'B ms':>9} "
+             f"{'A TF/s':>7} {'B TF/s':>7} {'B/A':>6} {'spread':>7}"]
+    for key in a:
+        if key not in b:
+            continue
+        (ta, sa, fa), (tb, sb, fb) = a[key], b[key]
+        ratio, spread = ta / tb, max(sa, sb)
+        mark = "*" if abs(ratio - 1) > spread else ""
+        lines.append(f"{key[0]:<28} {key[1]:<5} {key[2]:<6} {key[3]:<6} {key[4]:<12} {ta:9.4f} {tb:9.4f} "
+                     f"{_num(fa):>7} {_num(fb):>7} {ratio:6.3f} {100 * spread:6.1f}% {mark}")
+    missing = [k for k in a if k not in b] + [k for k in b if k not in a]
+    if missing:
+        lines.append(f"({len(missing)} rows in only one of the runs)")
+    return "\n".join(lines)
 
 
 def save_json(path: str, meta: dict, records: list[dict], complete: bool) -> None:
