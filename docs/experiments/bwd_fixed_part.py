@@ -1,16 +1,13 @@
-"""How much of the Hopper backward's time is per-block fixed cost? (Issue 5.)
+"""How much of the Hopper backward's time is per-block fixed cost, and how much is per query step?
 
 The backward runs one block per (key block, kv head); a block walks Sq / 64 query blocks ("steps"). With the grid
 a whole number of waves on the GPU, time ≈ waves × (fixed + steps × step_time), where `fixed` is a block's launch,
 K/V load, pipeline fill and dK/dV epilogue. This script times flashcore's backward op alone
 (`torch.ops.flashcore.bwd`: pre-pass, main kernel, dQ conversion) per call inside a replayed CUDA graph of 20
-calls, at Sk = 8192, head dim 128, non-causal, with enough heads for `--waves` full waves, for Sq from 64 to 4096,
-and fits the line. A fixed part near 3 µs would be ~10 % of the causal 4×16×8192×128 backward (31 blocks per SM at
-~32 steps each) and is what a persistent backward can hide; a small one means it cannot.
-
-History: the eighth session's run (H100) timed fwd+bwd minus fwd through autograd with CUDA events per call;
-at small Sq every call took 0.11-0.15 ms whatever its steps (the host's autograd and launch time), so its fit
-(24 us a block) meant nothing. Hence the graph timing of the op alone (not yet run).
+calls (graph time, so the host's autograd and launch time stay out), at Sk = 8192, head dim 128, non-causal, with
+enough heads for `--waves` full waves, for Sq from 64 to 4096, and fits the line. The fixed part bounds what a
+persistent backward (one that hides a block's prologue and epilogue under the next block's) could recover.
+On the H100: 12.7 µs a wave fixed + 2.75 µs a query step (docs/PERFORMANCE.md, "Open problems").
 
     PYTHONPATH=$PWD python docs/experiments/bwd_fixed_part.py [--dtype fp16] [--waves 4]
 """
@@ -60,7 +57,7 @@ def main() -> int:
         v = torch.randn(1, heads, args.sk, 128, device="cuda", dtype=dtype)
         dout = torch.randn_like(q)
         out, lse = torch.ops.flashcore.fwd(q, k, v, scale, False)
-        bwd_ms = time_ms(lambda: torch.ops.flashcore.bwd(dout, q, k, v, out, lse, scale))
+        bwd_ms = time_ms(lambda: torch.ops.flashcore.bwd(dout, q, k, v, out, lse, scale, False))
         steps = sq // 64
         per_wave_us = bwd_ms * 1e3 / waves
         xs.append(steps)

@@ -1,5 +1,5 @@
 """Checks the LaneOffsets formula (csrc/flashcore/cuda/sm80/fwd_sm80_mainloop.cuh) against SmemTile::chunk_offset
-(csrc/flashcore/cuda/sm80/smem_tile.cuh, transcribed below) for every lane, warp and fragment of the mma.sync
+(csrc/flashcore/cuda/common/smem_tile.cuh, transcribed below) for every lane, warp and fragment of the mma.sync
 forward's Q, K and V tiles at head dims 64-256 (64-column spans). Run: python3 check_lane_offsets.py -> 0."""
 def chunk_offset(rows, cols, row, chunk):
     span_cols = 64 if cols % 64 == 0 else 32

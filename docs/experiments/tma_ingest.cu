@@ -1,6 +1,8 @@
-// How fast can one SM pull tiles from L2 into shared memory with TMA? A standalone probe (no torch) for the
-// question docs/PERFORMANCE.md leaves open for issue 4's small shape: 1x8x512x64 costs ~0.9 us per 32 KB key/value
-// tile of one block, whatever the number of blocks, which is ~19 bytes a cycle if the loads set the pace.
+// How fast can one SM pull tiles from L2 into shared memory with TMA, and how late does the first box land when
+// several are in flight? A standalone probe (no torch, no flashcore code). It tells whether a small-grid forward
+// (1x8x512x64: ~0.9 us per 32 KB key/value tile of one block, whatever the number of blocks, ~19 bytes a cycle if
+// the loads set the pace) is bound by its loads; on the H100 it is not (docs/PERFORMANCE.md), and the first-box
+// latency is why the compact forward throttles its loads (fwd_sm90_producer.cuh).
 //
 // Each block streams `tiles` boxes of (64 columns x box_rows rows) fp16, 128-byte swizzle (the forward kernel's
 // K/V boxes), through a ring of `stages` shared-memory buffers: one thread keeps `stages` loads in flight, each
