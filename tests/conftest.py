@@ -274,14 +274,22 @@ def reference_lse(q, k, causal=False, scale=None, causal_offset=0, window=(-1, -
     return torch.logsumexp(s, dim=-1)
 
 
-def lowp_dsinks(out_lowp, dout, lse_lowp, sinks):
-    """PyTorch's own low-precision gradient of the sinks: d sink[h] = -sum over rows of exp(sink - lse) *
-    rowsum(dO * O), with O its rounded output, as SDPA's fused backwards take rowsum(dO * O) from their stored output
-    (autograd through lowp_attention's float32 softmax never rounds O, a precision no fused backward has: with
-    float16 and a large sink, O is subnormal)."""
-    weight = torch.exp(sinks.float()[None, :, None] - lse_lowp.float()).nan_to_num(0.0)
-    rowsum = (dout.float() * out_lowp.float()).sum(-1)
-    return -(weight * rowsum).sum(dim=(0, 2))
+def sink_gradient_terms(out, dout, lse, sinks):
+    """The per-row terms of d sink[h] = -sum over rows of exp(sink - lse) * rowsum(dO * O), as fused backwards
+    compute it from their stored output: (B, H, S), in float64."""
+    weight = torch.exp(sinks.double()[None, :, None] - lse.double()).nan_to_num(0.0)
+    return -weight * (dout.double() * out.double()).sum(-1)
+
+
+def lowp_dsinks(out_lowp, lse_lowp, out64, lse64, dout, sinks):
+    """PyTorch's own low-precision error on d sinks, as a yardstick value ref + error per head. Its terms come from
+    PyTorch's rounded output, as SDPA's fused backwards take rowsum(dO * O) from their stored output (autograd through
+    lowp_attention's float32 softmax never rounds O, a precision no fused backward has: with float16 and a large sink,
+    O is subnormal). The error of a sum over all rows is taken as the root-sum-square of its rows' errors, the
+    expected size of their sum, not the realized sum, which cancels by chance in a vector of a few heads."""
+    exact = sink_gradient_terms(out64, dout, lse64, sinks)
+    row_err = sink_gradient_terms(out_lowp, dout, lse_lowp, sinks) - exact
+    return exact.sum(dim=(0, 2)) + row_err.pow(2).sum(dim=(0, 2)).sqrt()
 
 
 def check_lse(got, q, k, **mask):

@@ -73,7 +73,9 @@ def _train(attn, dtype, steps, data, seed_state, autocast):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_training_matches_sdpa(request, dtype):
     """300 Adam steps of a small causal GQA decoder under autocast: flashcore's loss curve stays as close to the
-    float32 run (SDPA math) as SDPA's own low-precision run does (flash-attn's 2x rule on window means)."""
+    float32 run (SDPA math) as SDPA's own low-precision run does: flash-attn's 2x rule on the mean over 20-step
+    windows of the distance between loss curves (one window alone compares two chaotic trajectories' noise: either
+    run's distance swings 100x between neighbouring windows), and no window more than 10 % off the float32 run."""
     g = make_generator(request, DEV)
     torch.manual_seed(int(torch.randint(0, 2**31 - 1, (1,), generator=g, device=DEV)))
     init = {k: v.clone() for k, v in _TinyDecoder(None).to(DEV).state_dict().items()}
@@ -93,4 +95,5 @@ def test_training_matches_sdpa(request, dtype):
     win = lambda c: c.view(-1, 20).mean(1)  # noqa: E731
     err_fc = (win(fc) - win(ref)).abs()
     err_sd = (win(sd) - win(ref)).abs()
-    assert (err_fc <= 2 * err_sd + 0.01 * win(ref)).all(), (err_fc, err_sd, win(ref))
+    assert err_fc.mean() <= 2 * err_sd.mean() + 0.01 * win(ref).mean(), (err_fc, err_sd, win(ref))
+    assert (err_fc <= 0.1 * win(ref)).all(), (err_fc, win(ref))

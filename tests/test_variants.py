@@ -87,8 +87,6 @@ def run_backward(q, k, v, kw, ref, dtype=None):
     out_lowp = lowp_attention(q, k, v, **ref_s)
     low = torch.autograd.grad(out_lowp, inputs, dout)
     low = [x.nan_to_num(0.0) for x in low]
-    if sinks is not None:
-        low[3] = lowp_dsinks(out_lowp.detach(), dout, lowp_lse(q, k, **ref_s), sinks.detach())
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     inputs64 = (q64, k64, v64)
     ref64 = dict(ref)
@@ -96,9 +94,12 @@ def run_backward(q, k, v, kw, ref, dtype=None):
         s64 = sinks.detach().double().requires_grad_()
         ref64["sinks"] = s64
         inputs64 += (s64,)
-    want = torch.autograd.grad(reference_attention(q64, k64, v64, **ref64)[0], inputs64, dout.double())
+    out64, lse64 = reference_attention(q64, k64, v64, **ref64)
+    want = torch.autograd.grad(out64, inputs64, dout.double())
     check_gradients(got[:3], want[:3], low[:3], dtype=dtype)
     if sinks is not None:
+        low[3] = lowp_dsinks(out_lowp.detach(), lowp_lse(q, k, **ref_s), out64.detach(), lse64.detach(), dout,
+                             sinks.detach())
         check_close("dsinks", got[3], want[3], low[3], dtype=torch.float32)
     return got
 
