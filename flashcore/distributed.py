@@ -28,8 +28,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from .ops import window_pair  # noqa: F401  (the same argument conventions as flashcore.attention)
-
 __all__ = ["ring_attention", "zigzag_shard", "zigzag_unshard"]
 
 _fwd = torch.ops.flashcore.fwd.default

@@ -1,6 +1,7 @@
 """Ring attention (flashcore.distributed) in several processes: gloo on the CPU, 2 and 4 ranks, causal (zigzag) and
-not, GQA, float32 and float64; the output and the gradients of q, k and v match single-process flashcore on the
-whole sequence (float64: to rounding; float32: the suite's rule against the float64 reference)."""
+not, GQA, float32 and float64; NCCL on every pair/quad/octet of GPUs present, float16 and bfloat16. The output and the
+gradients of q, k and v match single-process flashcore on the whole sequence (the suite's rule against the float64
+reference, with single-process flashcore's error as the yardstick)."""
 
 import os
 import socket
@@ -20,7 +21,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world, port, causal, gqa, dtype, result_dir):
+def _worker(rank, world, port, causal, gqa, dtype, result_dir, backend="gloo"):
     import sys
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -28,15 +29,18 @@ def _worker(rank, world, port, causal, gqa, dtype, result_dir):
 
     from flashcore.distributed import ring_attention, zigzag_shard, zigzag_unshard
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    device = torch.device("cpu")
+    if backend == "nccl":
+        device = torch.device("cuda", rank)
+        torch.cuda.set_device(device)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
         g = torch.Generator().manual_seed(1234)
-        B, Hq, Hkv, S, D = 2, 4, (2 if gqa else 4), 16 * world, 32
-        q = torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64).to(dtype)
-        k = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64).to(dtype)
-        v = torch.randn(B, Hkv, S, D, generator=g, dtype=torch.float64).to(dtype)
-        dout = torch.randn(B, Hq, S, D, generator=g, dtype=torch.float64).to(dtype)
+        B, Hq, Hkv, S, D = (2, 4, (2 if gqa else 4), 16 * world, 32) if backend == "gloo" else \
+            (1, 8, (2 if gqa else 8), 512 * world, 128)
+        q, k, v, dout = (torch.randn(B, H, S, D, generator=g, dtype=torch.float64).to(device, dtype)
+                         for H in (Hq, Hkv, Hkv, Hq))
 
         def shard(t):
             return zigzag_shard(t, 2) if causal else t.chunk(world, dim=2)[rank]
@@ -68,6 +72,12 @@ def _worker(rank, world, port, causal, gqa, dtype, result_dir):
         dist.destroy_process_group()
 
 
+def _run(world, causal, gqa, dtype, backend):
+    with tempfile.TemporaryDirectory() as d:
+        mp.spawn(_worker, args=(world, _free_port(), causal, gqa, dtype, d, backend), nprocs=world, join=True)
+        assert os.path.exists(os.path.join(d, "ok"))
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
@@ -75,6 +85,27 @@ def _worker(rank, world, port, causal, gqa, dtype, result_dir):
 def test_ring_attention_gloo(world, causal, gqa, dtype):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available in this torch build")
-    with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, _free_port(), causal, gqa, dtype, d), nprocs=world, join=True)
-        assert os.path.exists(os.path.join(d, "ok"))
+    _run(world, causal, gqa, dtype, "gloo")
+
+
+def _gpu_pair_skip_reason(world):
+    from conftest import cuda_skip_reason
+
+    reason = cuda_skip_reason()
+    if reason is None and torch.cuda.device_count() < world:
+        reason = f"needs {world} CUDA devices, {torch.cuda.device_count()} present"
+    if reason is None and not dist.is_nccl_available():
+        reason = "torch.distributed has no NCCL in this torch build"
+    return reason
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4, 8])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("gqa", [False, True], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_ring_attention_nccl(world, causal, gqa, dtype):
+    reason = _gpu_pair_skip_reason(world)
+    if reason is not None:
+        pytest.skip(reason)
+    _run(world, causal, gqa, dtype, "nccl")
