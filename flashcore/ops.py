@@ -22,8 +22,7 @@ __all__ = ["attention", "fwd_kernel_name", "bwd_kernel_name", "last_kernel"]
 
 
 @torch.library.register_fake("flashcore::fwd")
-def _fwd_fake(query, key, value, softmax_scale, is_causal=False, causal_bottom_right=False, window_left=-1,
-              window_right=-1, softcap=0.0, deterministic=False, sinks=None, alibi_slopes=None):
+def _fwd_fake(query, key, value, *args, **kwargs):  # the schema's other arguments do not change the shapes
     torch._check(query.dim() == 4, lambda: f"flashcore: query must be 4-D; got {query.dim()}-D")
     torch._check(key.dim() == 4 and value.dim() == 4, lambda: "flashcore: key and value must be 4-D")
     out = torch.empty_like(query)
@@ -33,8 +32,7 @@ def _fwd_fake(query, key, value, softmax_scale, is_causal=False, causal_bottom_r
 
 
 @torch.library.register_fake("flashcore::bwd")
-def _bwd_fake(grad_out, query, key, value, out, lse, softmax_scale, is_causal=False, causal_bottom_right=False,
-              window_left=-1, window_right=-1, softcap=0.0, deterministic=False, alibi_slopes=None):
+def _bwd_fake(grad_out, query, key, value, *args, **kwargs):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
