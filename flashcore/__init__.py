@@ -16,7 +16,7 @@ except ImportError as e:  # pragma: no cover - only when the extension was not b
         "`pip install -e . --no-build-isolation`. Original error: " + str(e)
     ) from e
 
-from .ops import attention, bwd_kernel_name, fwd_kernel_name, last_kernel  # noqa: E402
+from .ops import attention, bwd_kernel_name, fwd_kernel_name, last_kernel, varlen_attention  # noqa: E402
 from .flash_attn_interface import flash_attn_func  # noqa: E402
 
 __version__ = "0.1.0"
@@ -32,5 +32,5 @@ def _has_cuda_kernels() -> bool:
 
 
 __all__ = [
-    "attention", "flash_attn_func", "fwd_kernel_name", "bwd_kernel_name", "last_kernel", "cuda_available",
+    "attention", "varlen_attention", "flash_attn_func", "fwd_kernel_name", "bwd_kernel_name", "last_kernel", "cuda_available",
 ]

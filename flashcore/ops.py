@@ -12,7 +12,7 @@ from typing import Optional
 
 import torch
 
-__all__ = ["attention", "fwd_kernel_name", "bwd_kernel_name", "last_kernel"]
+__all__ = ["attention", "varlen_attention", "fwd_kernel_name", "bwd_kernel_name", "last_kernel"]
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -36,6 +36,21 @@ def _bwd_fake(grad_out, query, key, value, *args, **kwargs):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+@torch.library.register_fake("flashcore::varlen_fwd")
+def _varlen_fwd_fake(query, key, value, *args, **kwargs):
+    torch._check(query.dim() == 3, lambda: f"flashcore: query must be 3-D (total_q, heads, head_dim); got {query.dim()}-D")
+    torch._check(key.dim() == 3 and value.dim() == 3, lambda: "flashcore: key and value must be 3-D")
+    out = torch.empty_like(query)
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    lse = query.new_empty((query.size(1), query.size(0)), dtype=lse_dtype)
+    return out, lse
+
+
+@torch.library.register_fake("flashcore::varlen_bwd")
+def _varlen_bwd_fake(grad_out, query, key, value, *args, **kwargs):
+    return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd: registered in C++ (csrc/flashcore/autograd.cpp) at the Autograd key; a Python autograd kernel would
 # add ~10 us of host time to every call. out's gradient goes through flashcore::bwd; lse is not differentiable;
@@ -43,6 +58,7 @@ def _bwd_fake(grad_out, query, key, value, *args, **kwargs):
 # ----------------------------------------------------------------------------------------------------------------
 
 _fwd_op = torch.ops.flashcore.fwd.default
+_varlen_fwd_op = torch.ops.flashcore.varlen_fwd.default
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -155,6 +171,56 @@ def attention(
         out = out[..., :head_dim]
     if squeeze:
         out, lse = out.squeeze(1), lse.squeeze(1)
+    return (out, lse) if return_lse else out
+
+
+def varlen_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    cu_seqlens_k: torch.Tensor,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    *,
+    is_causal: bool = False,
+    scale: Optional[float] = None,
+    window_size=None,
+    softcap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    seqused_k: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_lse: bool = False,
+):
+    """Attention over a batch of sequences of different lengths, packed along the sequence dimension.
+
+    query (total_q, Hq, D), key and value (total_k, Hkv, D) with Hq a multiple of Hkv, any strides with a
+    contiguous last dim. Sequence b is rows cu_seqlens_q[b]:cu_seqlens_q[b+1] of query and
+    cu_seqlens_k[b]:cu_seqlens_k[b+1] of key/value (int32 tensors of length B+1 on query's device), of which only
+    the first seqused_k[b] keys are used when seqused_k (int32, (B,)) is given. max_seqlen_q/max_seqlen_k (ints)
+    bound the lengths. is_causal and window_size=(left, right) align bottom-right in each sequence (flash-attn's
+    rule: query i of a sequence with Sq queries and Sk keys sees keys up to i + Sk - Sq); softcap, sinks and
+    alibi_slopes ((Hq,) or (B, Hq)) as in attention(). Differentiable in query, key, value and sinks.
+
+    Returns out (total_q, Hq, D), or (out, lse) with return_lse=True, lse float32 (Hq, total_q) (flash-attn's
+    varlen layout; -inf on rows outside every sequence).
+    """
+    fn = "flashcore.varlen_attention"
+    for t, name in ((query, "query"), (key, "key"), (value, "value"), (cu_seqlens_q, "cu_seqlens_q"),
+                    (cu_seqlens_k, "cu_seqlens_k")):
+        _check_tensor(t, name, fn)
+    left, right = window_pair(window_size, fn)
+    if scale is None:
+        softmax_scale = 1.0 / math.sqrt(query.size(-1)) if query.size(-1) > 0 else 1.0
+    else:
+        softmax_scale = float(scale)
+    (query, key, value), head_dim = pad_head_dim([query, key, value])
+    out, lse = _varlen_fwd_op(query, key, value, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                              softmax_scale, bool(is_causal), left, right, float(softcap), bool(deterministic), sinks,
+                              alibi_slopes, seqused_k)
+    if out.size(-1) != head_dim:
+        out = out[..., :head_dim]
     return (out, lse) if return_lse else out
 
 

@@ -32,9 +32,10 @@ void check_one(const at::Tensor& t, const char* name, const BackendLimits& limit
 }
 
 // An optional per-head float32 vector of the call: (heads_q,), or (batch, heads_q) when allow_batch.
-void check_head_vector(const at::Tensor& t, const char* name, const at::Tensor& query, bool allow_batch) {
+// batch: the call's batch size (query.size(0) for dense inputs, the number of sequences for varlen ones).
+void check_head_vector(const at::Tensor& t, const char* name, const at::Tensor& query, int64_t B, bool allow_batch) {
   if (!t.defined()) return;
-  const int64_t B = query.size(0), Hq = query.size(1);
+  const int64_t Hq = query.size(1);
   TORCH_CHECK(t.scalar_type() == at::kFloat, "flashcore: ", name, " must be float32; got ", dtype_name(t.scalar_type()));
   TORCH_CHECK(t.device() == query.device(), "flashcore: ", name, " is on ", t.device(), " but query is on ",
               query.device());
@@ -45,8 +46,9 @@ void check_head_vector(const at::Tensor& t, const char* name, const at::Tensor& 
               "; got ", t.sizes());
 }
 
+// batch < 0: query.size(0).
 void check_common(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, const AttentionOptions& o,
-                  const BackendLimits& limits) {
+                  const BackendLimits& limits, int64_t batch = -1) {
   check_one(query, "query", limits);
   check_one(key, "key", limits);
   check_one(value, "value", limits);
@@ -61,8 +63,8 @@ void check_common(const at::Tensor& query, const at::Tensor& key, const at::Tens
               query.device(), "; all inputs must be on one device");
 
   const int64_t B = query.size(0), Hq = query.size(1), D = query.size(3);
-  TORCH_CHECK(key.size(0) == B, "flashcore: key batch size ", key.size(0), " does not match query batch size ", B);
-  TORCH_CHECK(value.size(0) == B, "flashcore: value batch size ", value.size(0), " does not match query batch size ",
+  TORCH_CHECK(batch >= 0 || key.size(0) == B, "flashcore: key batch size ", key.size(0), " does not match query batch size ", B);
+  TORCH_CHECK(batch >= 0 || value.size(0) == B, "flashcore: value batch size ", value.size(0), " does not match query batch size ",
               B);
   TORCH_CHECK(value.size(1) == key.size(1), "flashcore: value has ", value.size(1), " heads but key has ",
               key.size(1), "; key and value must have the same number of heads");
@@ -88,8 +90,9 @@ void check_common(const at::Tensor& query, const at::Tensor& key, const at::Tens
               o.window_right);
   TORCH_CHECK(std::isfinite(o.softcap) && o.softcap >= 0.0, "flashcore: softcap must be finite and >= 0 (0: off); got ",
               o.softcap);
-  check_head_vector(o.sinks, "sinks", query, /*allow_batch=*/false);
-  check_head_vector(o.alibi_slopes, "alibi_slopes", query, /*allow_batch=*/true);
+  const int64_t call_batch = batch < 0 ? query.size(0) : batch;
+  check_head_vector(o.sinks, "sinks", query, call_batch, /*allow_batch=*/false);
+  check_head_vector(o.alibi_slopes, "alibi_slopes", query, call_batch, /*allow_batch=*/true);
 }
 
 void check_same_shape(const at::Tensor& t, const at::Tensor& ref, const char* name, const char* ref_name) {
@@ -260,6 +263,178 @@ bool bwd_is_trivial(const at::Tensor& query, const at::Tensor& key, at::Tensor& 
     return true;
   }
   return false;
+}
+
+// ---- Variable-length batches ----
+
+namespace {
+
+void check_packed(const at::Tensor& t, const char* name, const char* rows) {
+  TORCH_CHECK(t.defined(), "flashcore: ", name, " is undefined (None)");
+  TORCH_CHECK(t.dim() == 3, "flashcore: ", name, " must be 3-D (", rows, ", heads, head_dim) for a variable-length "
+              "batch; got ", t.dim(), "-D with shape ", t.sizes());
+}
+
+void check_offsets_tensor(const at::Tensor& t, const char* name, const at::Tensor& query, int64_t expected_len,
+                          const char* len_text) {
+  TORCH_CHECK(t.defined(), "flashcore: ", name, " is undefined (None)");
+  TORCH_CHECK(t.scalar_type() == at::kInt, "flashcore: ", name, " must be int32 (torch.int32); got ",
+              dtype_name(t.scalar_type()));
+  TORCH_CHECK(t.dim() == 1, "flashcore: ", name, " must be 1-D; got ", t.dim(), "-D with shape ", t.sizes());
+  TORCH_CHECK(t.device() == query.device(), "flashcore: ", name, " is on ", t.device(), " but query is on ",
+              query.device());
+  TORCH_CHECK(expected_len < 0 || t.size(0) == expected_len, "flashcore: ", name, " must have length ", len_text,
+              " = ", expected_len, "; got ", t.size(0));
+}
+
+// The offsets' values: read on the host (a device sync for CUDA tensors, hence opt-in there).
+void check_offset_values(const VarlenArgs& a, int64_t total_q, int64_t total_k) {
+  const at::Tensor cq = a.cu_seqlens_q.cpu(), ck = a.cu_seqlens_k.cpu();
+  const at::Tensor used = a.seqused_k.defined() ? a.seqused_k.cpu() : at::Tensor();
+  const int32_t* q = cq.data_ptr<int32_t>();
+  const int32_t* k = ck.data_ptr<int32_t>();
+  const int64_t B = a.batch();
+  TORCH_CHECK(q[0] >= 0 && k[0] >= 0, "flashcore: cu_seqlens_q[0] and cu_seqlens_k[0] must be >= 0; got ", q[0],
+              " and ", k[0]);
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(q[b + 1] >= q[b], "flashcore: cu_seqlens_q must be non-decreasing; cu_seqlens_q[", b + 1, "] = ",
+                q[b + 1], " < cu_seqlens_q[", b, "] = ", q[b]);
+    TORCH_CHECK(k[b + 1] >= k[b], "flashcore: cu_seqlens_k must be non-decreasing; cu_seqlens_k[", b + 1, "] = ",
+                k[b + 1], " < cu_seqlens_k[", b, "] = ", k[b]);
+    TORCH_CHECK(q[b + 1] - q[b] <= a.max_seqlen_q, "flashcore: sequence ", b, " has ", q[b + 1] - q[b],
+                " queries, more than max_seqlen_q = ", a.max_seqlen_q);
+    const int64_t len_k = used.defined() ? used.data_ptr<int32_t>()[b] : k[b + 1] - k[b];
+    TORCH_CHECK(!used.defined() || (len_k >= 0 && len_k <= k[b + 1] - k[b]), "flashcore: seqused_k[", b, "] = ",
+                len_k, " must be in [0, cu_seqlens_k[", b + 1, "] - cu_seqlens_k[", b, "]] = [0, ", k[b + 1] - k[b],
+                "]");
+    TORCH_CHECK(len_k <= a.max_seqlen_k, "flashcore: sequence ", b, " has ", len_k,
+                " keys, more than max_seqlen_k = ", a.max_seqlen_k);
+  }
+  TORCH_CHECK(q[B] <= total_q, "flashcore: cu_seqlens_q[-1] = ", q[B], " exceeds query's ", total_q, " rows");
+  TORCH_CHECK(k[B] <= total_k, "flashcore: cu_seqlens_k[-1] = ", k[B], " exceeds key's ", total_k, " rows");
+}
+
+void check_varlen_common(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const VarlenArgs& a, const AttentionOptions& opts, const BackendLimits& limits) {
+  check_packed(query, "query", "total_q");
+  check_packed(key, "key", "total_k");
+  check_packed(value, "value", "total_k");
+  check_offsets_tensor(a.cu_seqlens_q, "cu_seqlens_q", query, -1, "");
+  TORCH_CHECK(a.cu_seqlens_q.size(0) >= 1, "flashcore: cu_seqlens_q must have length batch + 1 >= 1; got 0");
+  check_offsets_tensor(a.cu_seqlens_k, "cu_seqlens_k", query, a.cu_seqlens_q.size(0), "len(cu_seqlens_q)");
+  if (a.seqused_k.defined()) check_offsets_tensor(a.seqused_k, "seqused_k", query, a.batch(), "batch");
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK(a.max_seqlen_q >= 1 && a.max_seqlen_q <= kIntMax, "flashcore: max_seqlen_q must be in [1, 2^31 - 1]; got ",
+              a.max_seqlen_q);
+  TORCH_CHECK(a.max_seqlen_k >= 1 && a.max_seqlen_k <= kIntMax, "flashcore: max_seqlen_k must be in [1, 2^31 - 1]; got ",
+              a.max_seqlen_k);
+  TORCH_CHECK(query.size(0) <= kIntMax && key.size(0) <= kIntMax, "flashcore: total_q and total_k must be below 2^31 "
+              "(int32 offsets); got ", query.size(0), " and ", key.size(0));
+  TORCH_CHECK(value.size(0) == key.size(0), "flashcore: value has ", value.size(0), " rows (total_k) but key has ",
+              key.size(0));
+  check_common(packed_as_bhsd(query), packed_as_bhsd(key), packed_as_bhsd(value), opts, limits, a.batch());
+  if (query.is_cpu() || check_varlen_offsets()) check_offset_values(a, query.size(0), key.size(0));
+}
+
+at::Tensor contiguous_offsets(const at::Tensor& t) { return t.defined() ? t.contiguous() : t; }
+
+void set_varlen_fields(FwdParams& p, const VarlenArgs& a, int64_t total_q, int64_t total_k) {
+  p.batch = a.batch();
+  p.q_stride.batch = p.k_stride.batch = p.v_stride.batch = p.out_stride.batch = 0;
+  p.seqlen_q = a.max_seqlen_q;
+  p.seqlen_k = a.max_seqlen_k;
+  p.varlen.cu_seqlens_q = a.cu_seqlens_q.data_ptr<int32_t>();
+  p.varlen.cu_seqlens_k = a.cu_seqlens_k.data_ptr<int32_t>();
+  p.varlen.seqused_k = a.seqused_k.defined() ? a.seqused_k.data_ptr<int32_t>() : nullptr;
+  p.varlen.total_q = total_q;
+  p.varlen.total_k = total_k;
+  p.band = p.mask.band(p.seqlen_q, p.seqlen_k);  // unused by varlen kernels (band_of), kept consistent
+  p.score.alibi_offset = 0;                       // per sequence: seqlen_k - seqlen_q of seq(b)
+}
+
+}  // namespace
+
+at::Tensor packed_as_bhsd(const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); }
+
+VarlenArgs make_varlen_args(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                            int64_t max_seqlen_k, const std::optional<at::Tensor>& seqused_k) {
+  VarlenArgs a;
+  a.cu_seqlens_q = contiguous_offsets(cu_seqlens_q);
+  a.cu_seqlens_k = contiguous_offsets(cu_seqlens_k);
+  if (seqused_k.has_value()) a.seqused_k = contiguous_offsets(*seqused_k);
+  a.max_seqlen_q = max_seqlen_q;
+  a.max_seqlen_k = max_seqlen_k;
+  return a;
+}
+
+void check_varlen_fwd_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const VarlenArgs& args, const AttentionOptions& opts, const BackendLimits& limits) {
+  check_varlen_common(query, key, value, args, opts, limits);
+}
+
+void check_varlen_bwd_inputs(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                             const VarlenArgs& args, const AttentionOptions& opts, const BackendLimits& limits) {
+  check_varlen_common(query, key, value, args, opts, limits);
+  check_same_shape(grad_out, query, "grad_out", "query");
+  check_same_shape(out, query, "out", "query");
+  TORCH_CHECK(lse.defined(), "flashcore: lse is undefined (None)");
+  const auto lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(lse.scalar_type() == lse_dtype, "flashcore: lse must be ",
+              lse_dtype == at::kDouble ? "float64" : "float32", "; got ", dtype_name(lse.scalar_type()));
+  TORCH_CHECK(lse.device() == query.device(), "flashcore: lse is on ", lse.device(), " but query is on ",
+              query.device());
+  TORCH_CHECK(lse.dim() == 2 && lse.size(0) == query.size(1) && lse.size(1) == query.size(0),
+              "flashcore: lse must have shape (heads_q, total_q) = (", query.size(1), ", ", query.size(0), "); got ",
+              lse.sizes());
+  TORCH_CHECK(lse.is_contiguous(), "flashcore: lse must be contiguous");
+}
+
+std::tuple<at::Tensor, at::Tensor> alloc_varlen_fwd_outputs(const at::Tensor& query) {
+  at::Tensor out = at::empty_like(query);
+  const auto lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  // -inf: the value of rows outside every sequence (no kernel visits them); the kernels write every other row.
+  at::Tensor lse = at::full({query.size(1), query.size(0)}, -std::numeric_limits<double>::infinity(),
+                            query.options().dtype(lse_dtype));
+  poison_if_enabled({out});
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_varlen_bwd_outputs(const at::Tensor& query,
+                                                                        const at::Tensor& key,
+                                                                        const at::Tensor& value) {
+  return {at::zeros_like(query), at::zeros_like(key), at::zeros_like(value)};
+}
+
+bool varlen_fwd_is_trivial(const FwdParams& p, at::Tensor& out) {
+  if (p.batch == 0 || p.heads_q == 0 || p.varlen.total_q == 0 || p.head_dim == 0) return true;
+  if (p.varlen.total_k == 0) {
+    out.zero_();  // lse is -inf already
+    return true;
+  }
+  return false;
+}
+
+FwdParams make_varlen_fwd_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 const at::Tensor& out, const at::Tensor& lse, const VarlenArgs& args,
+                                 const AttentionOptions& opts) {
+  FwdParams p = make_fwd_params(packed_as_bhsd(query), packed_as_bhsd(key), packed_as_bhsd(value),
+                                out.defined() ? packed_as_bhsd(out) : out, lse, opts);
+  set_varlen_fields(p, args, query.size(0), key.size(0));
+  return p;
+}
+
+BwdParams make_varlen_bwd_params(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                                 const at::Tensor& grad_query, const at::Tensor& grad_key,
+                                 const at::Tensor& grad_value, const VarlenArgs& args, const AttentionOptions& opts,
+                                 bool deterministic) {
+  auto view = [](const at::Tensor& t) { return t.defined() ? packed_as_bhsd(t) : t; };
+  BwdParams p = make_bwd_params(view(grad_out), view(query), view(key), view(value), view(out), lse,
+                                view(grad_query), view(grad_key), view(grad_value), opts, deterministic);
+  set_varlen_fields(p, args, query.size(0), key.size(0));
+  p.dout_stride.batch = p.dq_stride.batch = p.dk_stride.batch = p.dv_stride.batch = 0;
+  return p;
 }
 
 }  // namespace flashcore

@@ -70,6 +70,50 @@ BwdParams make_bwd_params(const at::Tensor& grad_out, const at::Tensor& query, c
                           const at::Tensor& grad_query, const at::Tensor& grad_key, const at::Tensor& grad_value,
                           const AttentionOptions& opts, bool deterministic);
 
+// ---- Variable-length batches (seqlen.h) ----
+// query (total_q, heads_q, head_dim), key/value (total_k, heads_kv, head_dim), last dim contiguous.
+struct VarlenArgs {
+  at::Tensor cu_seqlens_q, cu_seqlens_k;  // int32 (batch + 1,)
+  at::Tensor seqused_k;                   // int32 (batch,), or undefined
+  int64_t max_seqlen_q = 0, max_seqlen_k = 0;
+  int64_t batch() const { return cu_seqlens_q.size(0) - 1; }
+};
+
+VarlenArgs make_varlen_args(const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                            int64_t max_seqlen_k, const std::optional<at::Tensor>& seqused_k);
+
+// Shapes, dtypes, devices and the options, as check_fwd_inputs; the offsets' values too when they are on the CPU
+// or FLASHCORE_CHECK_VARLEN=1 (switches.h): otherwise reading them would need a device sync.
+void check_varlen_fwd_inputs(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                             const VarlenArgs& args, const AttentionOptions& opts, const BackendLimits& limits);
+// Also grad_out/out (query's shape and dtype) and lse ((heads_q, total_q) float32; float64 for float64 inputs).
+void check_varlen_bwd_inputs(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                             const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                             const VarlenArgs& args, const AttentionOptions& opts, const BackendLimits& limits);
+
+// out like query (poisoned as alloc_fwd_outputs), lse (heads_q, total_q) (flash-attn's varlen layout) filled with
+// -inf: rows outside every sequence keep it.
+std::tuple<at::Tensor, at::Tensor> alloc_varlen_fwd_outputs(const at::Tensor& query);
+// Zero gradients: rows outside every sequence (and keys past seqused_k) keep 0; the kernels write the others.
+std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_varlen_bwd_outputs(const at::Tensor& query,
+                                                                        const at::Tensor& key,
+                                                                        const at::Tensor& value);
+// Nothing to launch: no sequence, head or query row (outputs as allocated), or no key at all (out = 0).
+bool varlen_fwd_is_trivial(const FwdParams& p, at::Tensor& out);
+
+// The params of a varlen call: the packed tensors as batch-stride-0 entries, seqlen_q/seqlen_k = the max lengths.
+FwdParams make_varlen_fwd_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                 const at::Tensor& out, const at::Tensor& lse, const VarlenArgs& args,
+                                 const AttentionOptions& opts);
+BwdParams make_varlen_bwd_params(const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key,
+                                 const at::Tensor& value, const at::Tensor& out, const at::Tensor& lse,
+                                 const at::Tensor& grad_query, const at::Tensor& grad_key,
+                                 const at::Tensor& grad_value, const VarlenArgs& args, const AttentionOptions& opts,
+                                 bool deterministic);
+
+// A packed (total, heads, dim) tensor as the 4-D (1, heads, total, dim) view the dense helpers take.
+at::Tensor packed_as_bhsd(const at::Tensor& t);
+
 // True when there is nothing for a kernel to do; the caller has already filled the outputs:
 // an empty batch/head/query length leaves empty outputs; an empty key length gives out = 0 and lse = -inf
 // (softmax over an empty set, as SDPA's math path), and zero gradients.

@@ -126,8 +126,124 @@ std::tuple<at::Tensor, at::Tensor> fwd_autograd(const at::Tensor& q, const at::T
   return {outs[0], outs[1]};
 }
 
+// ---- Variable-length batches: the same node over varlen_fwd/varlen_bwd ----
+
+struct VarlenShape {
+  int64_t max_seqlen_q, max_seqlen_k;
+};
+
+std::tuple<at::Tensor, at::Tensor> call_varlen_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                   const at::Tensor& cu_q, const at::Tensor& cu_k,
+                                                   const VarlenShape& vs, const CallOptions& o,
+                                                   const std::optional<at::Tensor>& sinks,
+                                                   const std::optional<at::Tensor>& alibi,
+                                                   const std::optional<at::Tensor>& seqused_k) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("flashcore::varlen_fwd", "")
+          .typed<std::tuple<at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t,
+              int64_t, double, bool, int64_t, int64_t, double, bool, const std::optional<at::Tensor>&,
+              const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+  return op.call(q, k, v, cu_q, cu_k, vs.max_seqlen_q, vs.max_seqlen_k, o.scale, o.causal, o.window_left,
+                 o.window_right, o.softcap, o.deterministic, sinks, alibi, seqused_k);
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> call_varlen_bwd(
+    const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& cu_q, const at::Tensor& cu_k, const VarlenShape& vs,
+    const CallOptions& o, bool deterministic, const std::optional<at::Tensor>& alibi,
+    const std::optional<at::Tensor>& seqused_k) {
+  static const auto op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("flashcore::varlen_bwd", "")
+          .typed<std::tuple<at::Tensor, at::Tensor, at::Tensor>(
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+              const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, int64_t, double, bool, int64_t,
+              int64_t, double, bool, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&)>();
+  return op.call(dout, q, k, v, out, lse, cu_q, cu_k, vs.max_seqlen_q, vs.max_seqlen_k, o.scale, o.causal,
+                 o.window_left, o.window_right, o.softcap, deterministic, alibi, seqused_k);
+}
+
+// d loss / d sink_h = -sum over rows of exp(sink_h - lse) * rowsum(dout * out), over rows with a finite lse (rows
+// outside every sequence have lse = -inf and an unspecified out: torch.where keeps them out of the sum).
+// out/dout: (total_q, Hq, D); lse: (Hq, total_q).
+at::Tensor varlen_sinks_grad(const at::Tensor& sinks, const at::Tensor& dout, const at::Tensor& out,
+                             const at::Tensor& lse) {
+  const at::Tensor rowsum = (dout.to(lse.scalar_type()) * out.to(lse.scalar_type())).sum(-1).t();  // (Hq, total_q)
+  const at::Tensor terms = (sinks.view({-1, 1}).to(lse.scalar_type()) - lse).exp() * rowsum;
+  const at::Tensor kept = at::where(at::isfinite(lse), terms, at::zeros_like(terms));
+  return -kept.sum(1).to(sinks.scalar_type());
+}
+
+class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttentionFunction> {
+ public:
+  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const std::optional<at::Tensor>& sinks, const at::Tensor& cu_q, const at::Tensor& cu_k,
+                               int64_t max_seqlen_q, int64_t max_seqlen_k, const std::optional<at::Tensor>& alibi,
+                               const std::optional<at::Tensor>& seqused_k, double scale, bool causal,
+                               int64_t window_left, int64_t window_right, double softcap, bool deterministic) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const CallOptions o{scale, causal, true, window_left, window_right, softcap, deterministic};
+    const VarlenShape vs{max_seqlen_q, max_seqlen_k};
+    auto [out, lse] = call_varlen_fwd(q, k, v, cu_q, cu_k, vs, o, sinks, alibi, seqused_k);
+    ctx->save_for_backward({q, k, v, out, lse, sinks.value_or(at::Tensor()), alibi.value_or(at::Tensor()), cu_q,
+                            cu_k, seqused_k.value_or(at::Tensor())});
+    ctx->saved_data["scale"] = scale;
+    ctx->saved_data["causal"] = causal;
+    ctx->saved_data["window_left"] = window_left;
+    ctx->saved_data["window_right"] = window_right;
+    ctx->saved_data["softcap"] = softcap;
+    ctx->saved_data["deterministic"] = deterministic;
+    ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
+    ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
+    ctx->mark_non_differentiable({lse});
+    return {out, lse};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    const variable_list saved = ctx->get_saved_variables();
+    const at::Tensor &out = saved[3], &lse = saved[4], &sinks = saved[5], &alibi = saved[6];
+    at::Tensor dout = grads[0];
+    if (!dout.defined()) {
+      dout = at::zeros_like(out);
+    } else if (dout.stride(-1) != 1) {
+      dout = dout.contiguous();
+    }
+    const CallOptions o{ctx->saved_data["scale"].toDouble(),     ctx->saved_data["causal"].toBool(), true,
+                        ctx->saved_data["window_left"].toInt(),  ctx->saved_data["window_right"].toInt(),
+                        ctx->saved_data["softcap"].toDouble(),   ctx->saved_data["deterministic"].toBool()};
+    const VarlenShape vs{ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt()};
+    const bool deterministic = o.deterministic || at::globalContext().deterministicAlgorithms();
+    auto [dq, dk, dv] = call_varlen_bwd(dout, saved[0], saved[1], saved[2], out, lse, saved[7], saved[8], vs, o,
+                                        deterministic, optional_of(alibi), optional_of(saved[9]));
+    at::Tensor dsinks;
+    if (sinks.defined() && ctx->needs_input_grad(3)) dsinks = varlen_sinks_grad(sinks, dout, out, lse);
+    variable_list grads_in(16);
+    grads_in[0] = dq;
+    grads_in[1] = dk;
+    grads_in[2] = dv;
+    grads_in[3] = dsinks;
+    return grads_in;
+  }
+};
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(
+    const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& cu_q, const at::Tensor& cu_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double scale, bool causal, int64_t window_left,
+    int64_t window_right, double softcap, bool deterministic, const std::optional<at::Tensor>& sinks,
+    const std::optional<at::Tensor>& alibi, const std::optional<at::Tensor>& seqused_k) {
+  variable_list outs = VarlenAttentionFunction::apply(q, k, v, sinks, cu_q, cu_k, max_seqlen_q, max_seqlen_k, alibi,
+                                                      seqused_k, scale, causal, window_left, window_right, softcap,
+                                                      deterministic);
+  return {outs[0], outs[1]};
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(flashcore, Autograd, m) { m.impl("fwd", &fwd_autograd); }
+TORCH_LIBRARY_IMPL(flashcore, Autograd, m) {
+  m.impl("fwd", &fwd_autograd);
+  m.impl("varlen_fwd", &varlen_fwd_autograd);
+}
 
 }  // namespace flashcore

@@ -29,6 +29,7 @@ std::string last_kernel(Pass pass) {
   if (t.key_splits > 1) s += " splits" + std::to_string(t.key_splits);
   if (t.compact) s += " compact";
   if (t.score_mod) s += " mod";
+  if (t.varlen) s += " varlen";
   return s;
 }
 

@@ -67,6 +67,25 @@ TORCH_LIBRARY(flashcore, m) {
       "bool is_causal=False, bool causal_bottom_right=False, int window_left=-1, int window_right=-1, "
       "float softcap=0.0, bool deterministic=False, Tensor? alibi_slopes=None) "
       "-> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  // Variable-length batches (seqlen.h), flash-attn's flash_attn_varlen_func layout: query (total_q, heads_q,
+  // head_dim), key/value (total_k, heads_kv, head_dim) packed along the sequence; sequence b is rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b+1]) of query and [cu_seqlens_k[b], cu_seqlens_k[b+1]) of key/value (int32,
+  // length batch + 1), of which seqused_k[b] keys are used when seqused_k (int32 (batch,)) is given.
+  // max_seqlen_q/max_seqlen_k bound the sequences' lengths (Python ints; they size the grids). The causal
+  // diagonal and the window are aligned bottom-right in each sequence (flash-attn's rule). lse is (heads_q,
+  // total_q); rows outside every sequence get lse = -inf (out there is unspecified).
+  m.def(
+      "varlen_fwd(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
+      "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool is_causal=False, int window_left=-1, "
+      "int window_right=-1, float softcap=0.0, bool deterministic=False, Tensor? sinks=None, "
+      "Tensor? alibi_slopes=None, Tensor? seqused_k=None) -> (Tensor out, Tensor lse)");
+  // Gradients of varlen_fwd's out. Rows of grad_key/grad_value outside every sequence's used keys are 0, and so
+  // are rows of grad_query outside every sequence.
+  m.def(
+      "varlen_bwd(Tensor grad_out, Tensor query, Tensor key, Tensor value, Tensor out, Tensor lse, "
+      "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
+      "bool is_causal=False, int window_left=-1, int window_right=-1, float softcap=0.0, bool deterministic=False, "
+      "Tensor? alibi_slopes=None, Tensor? seqused_k=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
   // Name of the CUDA forward kernel family that fwd would run for these inputs on this device ("sm80", "sm90"),
   // for tests and benchmarks; respects FLASHCORE_FORCE_KERNEL.
   m.def("fwd_kernel_name(Tensor query, Tensor key, Tensor value, bool is_causal=False) -> str");

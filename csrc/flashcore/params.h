@@ -12,6 +12,7 @@
 #include "macros.h"
 #include "mask.h"
 #include "score_mod.h"
+#include "seqlen.h"
 
 namespace flashcore {
 
@@ -89,6 +90,30 @@ struct FwdParams {
 
   // Softcap, ALiBi and sinks (score_mod.h).
   ScoreParams score;
+
+  // Variable-length batches (seqlen.h): set, the tensors are packed along the sequence (batch strides 0),
+  // seqlen_q/seqlen_k are the max lengths, lse is (heads_q, total_q), and each entry's lengths and band come from
+  // seq(b) and band_of(). Dense calls never read it.
+  VarlenParams varlen;
+
+  FLASHCORE_HOST_DEVICE SeqInfo seq(int64_t b) const {
+    if (varlen.enabled()) return varlen_seq_info(varlen, b, seqlen_q, seqlen_k);
+    SeqInfo s;
+    s.seqlen_q = seqlen_q;
+    s.seqlen_k = seqlen_k;
+    return s;
+  }
+  FLASHCORE_HOST_DEVICE Band band_of(const SeqInfo& s) const {
+    return varlen.enabled() ? mask.band(s.seqlen_q, s.seqlen_k) : band;
+  }
+  // Index in lse (and in any per-row workspace laid out like it) of row 0 of (b, h)'s sequence s.
+  FLASHCORE_HOST_DEVICE int64_t row_index(const SeqInfo& s, int64_t b, int64_t h) const {
+    return varlen.enabled() ? h * varlen.total_q + s.q_begin : (b * heads_q + h) * seqlen_q;
+  }
+  // Rows of lse: batch * heads_q * seqlen_q, or heads_q * total_q.
+  FLASHCORE_HOST_DEVICE int64_t rows_total() const {
+    return varlen.enabled() ? heads_q * varlen.total_q : batch * heads_q * seqlen_q;
+  }
 };
 
 struct BwdParams : FwdParams {

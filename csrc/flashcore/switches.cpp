@@ -45,4 +45,9 @@ bool cpu_isa_forced_portable() {
   return v != nullptr && std::strcmp(v, "portable") == 0;
 }
 
+bool check_varlen_offsets() {
+  const char* v = env("FLASHCORE_CHECK_VARLEN");
+  return v != nullptr && std::strcmp(v, "0") != 0;
+}
+
 }  // namespace flashcore

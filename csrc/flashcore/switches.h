@@ -8,6 +8,9 @@
 //   FLASHCORE_POISON=1                          fill outputs and workspaces with NaN before the kernels run, so a
 //                                               kernel that leaves an element unwritten fails the tests (on in the
 //                                               test suite)
+//   FLASHCORE_CHECK_VARLEN=1                    validate varlen offsets and lengths (cu_seqlens, seqused_k,
+//                                               max_seqlen) on CUDA too, at the cost of a device sync per call (the
+//                                               CPU always validates them)
 #pragma once
 
 #include <string>
@@ -20,5 +23,6 @@ int key_split_cap();              // 0 when not capped; throws on a malformed va
 bool pdl_allowed();
 bool poison_outputs();
 bool cpu_isa_forced_portable();
+bool check_varlen_offsets();
 
 }  // namespace flashcore

@@ -49,6 +49,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cpu(const at::Tensor& grad_ou
   return {grad_query, grad_key, grad_value};
 }
 
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& query, const at::Tensor& key,
+                                                  const at::Tensor& value, const at::Tensor& cu_seqlens_q,
+                                                  const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                  int64_t max_seqlen_k, double softmax_scale, bool is_causal,
+                                                  int64_t window_left, int64_t window_right, double softcap,
+                                                  bool /*deterministic*/, const std::optional<at::Tensor>& sinks,
+                                                  const std::optional<at::Tensor>& alibi_slopes,
+                                                  const std::optional<at::Tensor>& seqused_k) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, /*causal_bottom_right=*/true, window_left,
+                                             window_right, softcap, sinks, alibi_slopes);
+  const VarlenArgs args = make_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k);
+  check_varlen_fwd_inputs(query, key, value, args, opts, kCpuLimits);
+  auto [out, lse] = alloc_varlen_fwd_outputs(query);
+  const FwdParams p = make_varlen_fwd_params(query, key, value, out, lse, args, opts);
+  if (!varlen_fwd_is_trivial(p, out)) {
+    record_kernel(Pass::kFwd, KernelTrace{"cpu"});
+    cpu::fwd_kernel(p, query.scalar_type());
+  }
+  return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
+    const at::Tensor& grad_out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+    const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool is_causal, int64_t window_left,
+    int64_t window_right, double softcap, bool deterministic, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& seqused_k) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, /*causal_bottom_right=*/true, window_left,
+                                             window_right, softcap, std::nullopt, alibi_slopes);
+  const VarlenArgs args = make_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k);
+  check_varlen_bwd_inputs(grad_out, query, key, value, out, lse, args, opts, kCpuLimits);
+  auto [grad_query, grad_key, grad_value] = alloc_varlen_bwd_outputs(query, key, value);
+  if (query.numel() == 0 || key.numel() == 0 || args.batch() == 0) return {grad_query, grad_key, grad_value};
+  const BwdParams p = make_varlen_bwd_params(grad_out, query, key, value, out, lse, grad_query, grad_key, grad_value,
+                                             args, opts, deterministic);
+  record_kernel(Pass::kBwd, KernelTrace{"cpu"});
+  cpu::bwd_kernel(p, query.scalar_type());
+  return {grad_query, grad_key, grad_value};
+}
+
 std::string fwd_kernel_name_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) { return "cpu"; }
 std::string bwd_kernel_name_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
   return "cpu";
@@ -59,6 +99,8 @@ std::string bwd_kernel_name_cpu(const at::Tensor&, const at::Tensor&, const at::
 TORCH_LIBRARY_IMPL(flashcore, CPU, m) {
   m.impl("fwd", &fwd_cpu);
   m.impl("bwd", &bwd_cpu);
+  m.impl("varlen_fwd", &varlen_fwd_cpu);
+  m.impl("varlen_bwd", &varlen_bwd_cpu);
   m.impl("fwd_kernel_name", &fwd_kernel_name_cpu);
   m.impl("bwd_kernel_name", &bwd_kernel_name_cpu);
 }

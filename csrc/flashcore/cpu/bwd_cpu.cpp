@@ -6,7 +6,9 @@
 // dQ is summed across key blocks: each key chunk adds into its own fp32/fp64 partial buffer, and a final pass adds
 // the partials in chunk order. The chunking depends on the shape only, so the same inputs give the same bits
 // whatever the thread count, and the `deterministic` flag costs nothing here. Chunks exist to find parallelism
-// when batch x kv heads is small.
+// when batch x kv heads is small. Variable-length batches (seqlen.h) run the same tasks on each entry's sequence
+// (p.seq(b)); per-row buffers follow lse's layout (p.row_index), and key blocks past a sequence's end are skipped
+// (the caller zeroes dK/dV rows outside every sequence).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -44,18 +46,17 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
   // Split keys into chunks only when batch x kv heads gives fewer than kMinTasks tasks; the split depends on the
   // shape alone (never on the thread count), so the dQ summation order and hence the bits are fixed. The dQ
   // partials are capped at kMaxPartialBytes.
-  const int64_t dq_bytes = std::max<int64_t>(1, p.batch * p.heads_q * p.seqlen_q * Dp * int64_t(sizeof(T)));
+  const int64_t rows_total = p.rows_total();  // lse's rows; per-row buffers and dQ partials share its layout
+  const int64_t dq_bytes = std::max<int64_t>(1, rows_total * Dp * int64_t(sizeof(T)));
   const int64_t chunk_cap = std::max<int64_t>(1, kMaxPartialBytes / dq_bytes);
   const int64_t chunks =
       std::clamp<int64_t>((kMinTasks + heads - 1) / heads, 1, std::min(key_blocks, chunk_cap));
   const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
   const T scale = std::is_same_v<T, double> ? static_cast<T>(p.scale_fp64) : static_cast<T>(p.scale);
-  const Band& band = p.band;
 
   // delta_i = dO_i . O_i, and lse with "+inf" for rows that saw no key (P = exp(s - inf) = 0 there).
-  const int64_t rows_total = p.batch * p.heads_q * p.seqlen_q;
   at::Tensor row_stats = at::empty({2, rows_total}, at::TensorOptions().dtype(acc_dtype));
-  poison_if_enabled({row_stats});  // written whole below
+  poison_if_enabled({row_stats});  // every row of every sequence is written below, and only those are read
   T* delta = row_stats.data_ptr<T>();
   T* lse = delta + rows_total;
   at::parallel_for(0, p.batch * p.heads_q, 1, [&](int64_t begin, int64_t end) {
@@ -63,21 +64,25 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
     T* o_row = scratch.take(Dp);
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-      const S* o = static_cast<const S*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head;
-      const S* dout = static_cast<const S*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
-      for (int64_t i = 0; i < p.seqlen_q; ++i) {
+      const SeqInfo seq = p.seq(b);
+      const int64_t r0 = p.row_index(seq, b, h);
+      const S* o = static_cast<const S*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head +
+                   seq.q_begin * p.out_stride.seq;
+      const S* dout = static_cast<const S*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head +
+                      seq.q_begin * p.dout_stride.seq;
+      for (int64_t i = 0; i < seq.seqlen_q; ++i) {
         Ops::pack_rows(o + i * p.out_stride.seq, 0, 1, D, T(1), o_row, Dp, 1);
-        Ops::row_dots(o_row, Dp, dout + i * p.dout_stride.seq, 0, 1, D, delta + bh * p.seqlen_q + i);
+        Ops::row_dots(o_row, Dp, dout + i * p.dout_stride.seq, 0, 1, D, delta + r0 + i);
         // float64 inputs come with a float64 lse (attention_host.cpp), so their gradients keep float64 exactness
-        const T l = p.lse64 ? static_cast<T>(p.lse64[bh * p.seqlen_q + i]) : static_cast<T>(p.lse[bh * p.seqlen_q + i]);
-        lse[bh * p.seqlen_q + i] = l == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity() : l;
+        const T l = p.lse64 ? static_cast<T>(p.lse64[r0 + i]) : static_cast<T>(p.lse[r0 + i]);
+        lse[r0 + i] = l == -std::numeric_limits<T>::infinity() ? std::numeric_limits<T>::infinity() : l;
       }
     }
   });
 
 
-  // dQ partial sums: (chunks, batch, heads_q, seqlen_q, Dp).
-  const int64_t dq_rows = p.batch * p.heads_q * p.seqlen_q;
+  // dQ partial sums: (chunks, rows of lse, Dp).
+  const int64_t dq_rows = rows_total;
   at::Tensor dq_partial = at::zeros({chunks, dq_rows, Dp}, at::TensorOptions().dtype(acc_dtype));
   T* dq_acc_all = dq_partial.data_ptr<T>();
 
@@ -101,15 +106,21 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
       const int64_t hk = (task / chunks) % p.heads_kv;
       const int64_t b = task / (chunks * p.heads_kv);
       T* dq_acc = dq_acc_all + chunk * dq_rows * Dp;
-      const S* k = static_cast<const S*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-      const S* v = static_cast<const S*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
-      S* dk = static_cast<S*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head;
-      S* dv = static_cast<S*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head;
+      const SeqInfo seq = p.seq(b);
+      const Band band = p.band_of(seq);
+      const int64_t alibi_offset = seq.seqlen_k - seq.seqlen_q;
+      const S* k = static_cast<const S*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
+                   seq.k_begin * p.k_stride.seq;
+      const S* v = static_cast<const S*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
+                   seq.k_begin * p.v_stride.seq;
+      S* dk = static_cast<S*>(p.dk) + b * p.dk_stride.batch + hk * p.dk_stride.head + seq.k_begin * p.dk_stride.seq;
+      S* dv = static_cast<S*>(p.dv) + b * p.dv_stride.batch + hk * p.dv_stride.head + seq.k_begin * p.dv_stride.seq;
 
       const int64_t kb_end = std::min(key_blocks, (chunk + 1) * blocks_per_chunk);
       for (int64_t kb = chunk * blocks_per_chunk; kb < kb_end; ++kb) {
         const int64_t j0 = kb * kKeyBlock;
-        const int64_t keys = std::min(kKeyBlock, p.seqlen_k - j0);
+        if (j0 >= seq.seqlen_k) break;  // past a varlen sequence's end
+        const int64_t keys = std::min(kKeyBlock, seq.seqlen_k - j0);
         const int64_t cols = round_up(keys, kPad);
         Ops::pack_transposed(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, kt_tile, ld);
         Ops::pack_transposed(v + j0 * p.v_stride.seq, p.v_stride.seq, keys, D, vt_tile, ld);
@@ -118,26 +129,27 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
         std::fill(dv_acc, dv_acc + keys * Dp, T(0));
 
         // Query blocks that see no key of this block (the mask's band) are skipped.
-        const IndexRange query_tiles = Band::tiles(band.queries_of_keys(j0, j0 + keys, p.seqlen_q), kQueryBlock);
+        const IndexRange query_tiles = Band::tiles(band.queries_of_keys(j0, j0 + keys, seq.seqlen_q), kQueryBlock);
         for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
-          const int64_t bh = b * p.heads_q + h;
-          const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
-          const S* dout = static_cast<const S*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
+          const int64_t r0 = p.row_index(seq, b, h);
+          const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
+                       seq.q_begin * p.q_stride.seq;
+          const S* dout = static_cast<const S*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head +
+                          seq.q_begin * p.dout_stride.seq;
           const T slope = alibi_slope<T>(p, b, h);
           const bool softcap = p.score.softcap > 0.f, mod = softcap || slope != T(0);
           for (int64_t i0 = query_tiles.begin * kQueryBlock; i0 < query_tiles.end * kQueryBlock;
                i0 += kQueryBlock) {
-            const int64_t rows = std::min(kQueryBlock, p.seqlen_q - i0);
+            const int64_t rows = std::min(kQueryBlock, seq.seqlen_q - i0);
             Ops::pack_rows(q + i0 * p.q_stride.seq, p.q_stride.seq, rows, D, scale, q_tile, Dp, rows);
             Ops::pack_rows(dout + i0 * p.dout_stride.seq, p.dout_stride.seq, rows, D, T(1), do_tile, Dp, rows);
 
             Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ld, s_tile, ld);
             Ops::template gemm<GemmMode::kStore>(rows, cols, D, do_tile, Dp, 1, vt_tile, ld, dp_tile, ld);
             if (mod) Ops::score_mod(s_tile, ld, rows, cols, static_cast<T>(p.score.softcap), slope, i0, j0,
-                                    p.score.alibi_offset, softcap ? dtanh_tile : static_cast<T*>(nullptr));
+                                    alibi_offset, softcap ? dtanh_tile : static_cast<T*>(nullptr));
             const BlockMask mask(band, i0, j0, keys);
-            Ops::softmax_grad(s_tile, dp_tile, ld, rows, cols, mask, lse + bh * p.seqlen_q + i0,
-                              delta + bh * p.seqlen_q + i0);
+            Ops::softmax_grad(s_tile, dp_tile, ld, rows, cols, mask, lse + r0 + i0, delta + r0 + i0);
             if (softcap) Ops::multiply(dp_tile, dtanh_tile, rows * ld);  // dS on scale q.k
 
             // dV += P^T dO and dK += dS^T (scale Q): the A operand read transposed (a_row = 1, a_col = ld).
@@ -145,7 +157,7 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
             Ops::template gemm<GemmMode::kAccumulate>(keys, Dp, rows, dp_tile, 1, ld, q_tile, Dp, dk_acc, Dp);
             // dQ (unscaled) += dS K.
             Ops::template gemm<GemmMode::kAccumulate>(rows, Dp, keys, dp_tile, ld, 1, k_tile, Dp,
-                                                      dq_acc + (bh * p.seqlen_q + i0) * Dp, Dp);
+                                                      dq_acc + (r0 + i0) * Dp, Dp);
           }
         }
         Ops::store_rows(dk_acc, Dp, keys, D, static_cast<const T*>(nullptr), T(1), dk + j0 * p.dk_stride.seq,
@@ -165,9 +177,11 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
         const T* part = dq_acc_all + (c * dq_rows + row) * Dp;
         for (int64_t d = 0; d < D; ++d) acc[d] += part[d];
       }
-      const int64_t i = row % p.seqlen_q;
-      const int64_t h = (row / p.seqlen_q) % p.heads_q;
-      const int64_t b = row / (p.seqlen_q * p.heads_q);
+      // Row -> (b, h, i) of lse's layout: (batch, heads_q, seqlen_q), or (heads_q, total_q) packed.
+      const int64_t len = p.varlen.enabled() ? p.varlen.total_q : p.seqlen_q;
+      const int64_t i = row % len;
+      const int64_t h = (row / len) % p.heads_q;
+      const int64_t b = p.varlen.enabled() ? 0 : row / (len * p.heads_q);
       S* dq = static_cast<S*>(p.dq) + b * p.dq_stride.batch + h * p.dq_stride.head + i * p.dq_stride.seq;
       Ops::store_rows(acc, Dp, 1, D, static_cast<const T*>(nullptr), scale, dq, 0);
     }

@@ -6,6 +6,8 @@
 //   m', l', P = exp(S - m')           BlockOps::softmax_update (masked scores -> P = 0)
 //   O = diag(exp(m - m')) O + P V     gemm with the rescale fused into its accumulator load
 // and at the end out = O / l, lse = m + log(l) (out = 0, lse = -inf for a row that saw no key).
+// Variable-length batches (seqlen.h) run the same tasks: each entry's sequence comes from p.seq(b), and query
+// blocks past its end are skipped.
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
@@ -32,7 +34,6 @@ void fwd_impl(const FwdParams& p) {
   const int64_t tasks = p.batch * p.heads_q * q_blocks;
   const T scale = std::is_same_v<T, double> ? static_cast<T>(p.scale_fp64) : static_cast<T>(p.scale);
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
-  const Band& band = p.band;
   const ScoreParams& sp = p.score;
 
   at::parallel_for(0, tasks, 1, [&](int64_t begin, int64_t end) {
@@ -54,13 +55,21 @@ void fwd_impl(const FwdParams& p) {
       const int64_t b = task / (q_blocks * p.heads_q);
       const int64_t hk = h / p.group;
       const int64_t i0 = qb * kQueryBlock;
-      const int64_t rows = std::min(kQueryBlock, p.seqlen_q - i0);
+      const SeqInfo seq = p.seq(b);
+      if (i0 >= seq.seqlen_q) continue;  // past a varlen sequence's end
+      const int64_t rows = std::min(kQueryBlock, seq.seqlen_q - i0);
+      const Band band = p.band_of(seq);
+      const int64_t alibi_offset = seq.seqlen_k - seq.seqlen_q;
 
-      const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head + i0 * p.q_stride.seq;
-      const S* k = static_cast<const S*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head;
-      const S* v = static_cast<const S*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head;
-      S* out = static_cast<S*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head + i0 * p.out_stride.seq;
-      const int64_t lse_row0 = (b * p.heads_q + h) * p.seqlen_q + i0;
+      const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
+                   (seq.q_begin + i0) * p.q_stride.seq;
+      const S* k = static_cast<const S*>(p.k) + b * p.k_stride.batch + hk * p.k_stride.head +
+                   seq.k_begin * p.k_stride.seq;
+      const S* v = static_cast<const S*>(p.v) + b * p.v_stride.batch + hk * p.v_stride.head +
+                   seq.k_begin * p.v_stride.seq;
+      S* out = static_cast<S*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head +
+               (seq.q_begin + i0) * p.out_stride.seq;
+      const int64_t lse_row0 = p.row_index(seq, b, h) + i0;
 
       Ops::pack_rows(q, p.q_stride.seq, rows, D, scale, q_tile, Dp, rows);
       std::fill(o_acc, o_acc + rows * Dp, T(0));
@@ -75,13 +84,13 @@ void fwd_impl(const FwdParams& p) {
       const IndexRange key_tiles = Band::tiles(band.keys_of_queries(i0, i0 + rows), kKeyBlock);
 
       for (int64_t j0 = key_tiles.begin * kKeyBlock; j0 < key_tiles.end * kKeyBlock; j0 += kKeyBlock) {
-        const int64_t keys = std::min(kKeyBlock, p.seqlen_k - j0);
+        const int64_t keys = std::min(kKeyBlock, seq.seqlen_k - j0);
         const int64_t cols = round_up(keys, kPad);
         Ops::pack_transposed(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, kt_tile, ldk);
         Ops::pack_rows(v + j0 * p.v_stride.seq, p.v_stride.seq, keys, D, T(1), v_tile, Dp, keys);
 
         Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ldk, s_tile, ldk);
-        if (mod) Ops::score_mod(s_tile, ldk, rows, cols, static_cast<T>(sp.softcap), slope, i0, j0, sp.alibi_offset,
+        if (mod) Ops::score_mod(s_tile, ldk, rows, cols, static_cast<T>(sp.softcap), slope, i0, j0, alibi_offset,
                                 static_cast<T*>(nullptr));
         const BlockMask mask(band, i0, j0, keys);
         Ops::softmax_update(s_tile, ldk, rows, cols, mask, row_max, row_sum, alpha);

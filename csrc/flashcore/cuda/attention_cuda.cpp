@@ -230,9 +230,179 @@ std::string bwd_kernel_name_cuda(const at::Tensor& grad_out, const at::Tensor& q
   return kernel == nullptr ? "composite" : kernel->family;
 }
 
+// ---- Variable-length batches (seqlen.h): the mma.sync family's varlen kernels, on every GPU ----
+
+// A packed (total, heads, dim) tensor is ready for 16-byte loads when its base and its row and head strides are.
+at::Tensor packed_aligned_for_16b_loads(const at::Tensor& t) {
+  const int64_t elems = 16 / t.element_size();
+  const bool aligned = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && t.stride(0) % elems == 0 &&
+                       t.stride(1) % elems == 0;
+  return aligned ? t : t.clone(at::MemoryFormat::Contiguous);
+}
+
+// TMA can read a packed (total, heads, dim) tensor as one (1, heads, total, dim) entry.
+bool packed_tma_ready(const at::Tensor& t) {
+  return sm90::tma_compatible(t.data_ptr(), Strides{0, t.stride(1), t.stride(0)}, 1, t.size(1), t.size(0));
+}
+
+// The varlen forward: the wgmma family on compute capability 9.0 for tensors TMA can describe, the mma.sync
+// family elsewhere and for batches of short sequences (max_seqlen_q <= kVarlenSm90MinRows): there the Hopper
+// kernel's 192/128-row, 384-thread blocks hold at most 64 rows of work each (H100, 10 000 causal sequences of 1-64
+// tokens, 16 heads, hd128 bf16: 6.5 ms against the mma.sync kernel's 4.0). Both are score-mod kernels built for
+// varlen. FLASHCORE_FORCE_KERNEL forces a family as for fwd.
+constexpr int64_t kVarlenSm90MinRows = 64;
+
+const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                                     const cudaDeviceProp& prop, int64_t max_seqlen_q) {
+  const auto dtype = to_dtype(q.scalar_type());
+  const int head_dim = (int)q.size(2);
+  const std::string forced = forced_fwd_family();
+  TORCH_CHECK(forced.empty() || forced == "sm80" || forced == "sm90", "flashcore: FLASHCORE_FORCE_KERNEL=", forced,
+              " is not a forward kernel family (sm80, sm90)");
+  const cuda::FwdKernelEntry* sm90 =
+      forced == "sm80" ? nullptr : cuda::find_fwd_kernel("sm90", head_dim, dtype, /*score_mod=*/true);
+  if (sm90 != nullptr && sm90->launch_varlen == nullptr) sm90 = nullptr;
+  if (forced == "sm90") {
+    TORCH_CHECK(is_hopper(prop) && sm90 != nullptr, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 needs a compute "
+                "capability 9.0 GPU and a build with sm90 kernels for head_dim ", head_dim);
+  }
+  const bool short_rows = max_seqlen_q <= kVarlenSm90MinRows && forced != "sm90";
+  if (sm90 != nullptr && is_hopper(prop) && !short_rows && packed_tma_ready(q) && packed_tma_ready(k) &&
+      packed_tma_ready(v))
+    return *sm90;
+  const cuda::FwdKernelEntry* sm80 = cuda::find_fwd_kernel("sm80", head_dim, dtype, /*score_mod=*/true);
+  TORCH_CHECK(sm80 != nullptr && sm80->launch_varlen != nullptr, "flashcore: this build has no variable-length "
+              "forward kernel for head_dim ", head_dim, " and dtype ", c10::toString(q.scalar_type()));
+  return *sm80;
+}
+
+void check_varlen_grid(const VarlenArgs& a, int64_t heads, int64_t max_seqlen, const char* what) {
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  const int64_t blocks = (max_seqlen + kMinBlockM - 1) / kMinBlockM;
+  TORCH_CHECK(blocks * a.batch() * heads <= kIntMax, "flashcore: batch x heads x ", what, " blocks (", a.batch(),
+              " x ", heads, " x ", blocks, ") exceeds the CUDA grid limit");
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& query_in, const at::Tensor& key_in,
+                                                   const at::Tensor& value_in, const at::Tensor& cu_seqlens_q,
+                                                   const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                   int64_t max_seqlen_k, double softmax_scale, bool is_causal,
+                                                   int64_t window_left, int64_t window_right, double softcap,
+                                                   bool /*deterministic*/, const std::optional<at::Tensor>& sinks,
+                                                   const std::optional<at::Tensor>& alibi_slopes,
+                                                   const std::optional<at::Tensor>& seqused_k) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, /*causal_bottom_right=*/true, window_left,
+                                             window_right, softcap, sinks, alibi_slopes);
+  const VarlenArgs args = make_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k);
+  check_varlen_fwd_inputs(query_in, key_in, value_in, args, opts, kCudaLimits);
+  const c10::cuda::CUDAGuard guard(query_in.device());
+  const cudaDeviceProp& prop = device_properties(query_in);
+  check_varlen_grid(args, query_in.size(1), max_seqlen_q, "query");
+
+  auto [out, lse] = alloc_varlen_fwd_outputs(query_in);
+  const at::Tensor query = packed_aligned_for_16b_loads(query_in);
+  const at::Tensor key = packed_aligned_for_16b_loads(key_in);
+  const at::Tensor value = packed_aligned_for_16b_loads(value_in);
+  const FwdParams p = make_varlen_fwd_params(query, key, value, out, lse, args, opts);
+  if (varlen_fwd_is_trivial(p, out)) return {out, lse};
+
+  const cuda::FwdKernelEntry& kernel = select_varlen_fwd_kernel(query, key, value, prop, max_seqlen_q);
+  record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile, 0, 1, false, true, true});
+  kernel.launch_varlen(p, at::cuda::getCurrentCUDAStream());  // the sm90 launcher refines the record
+  return {out, lse};
+}
+
+// The bitwise-reproducible varlen backward: the composite (ATen) backward on each sequence alone, written into the
+// packed gradients through views. It reads the offsets on the host (a device sync), which only deterministic mode
+// pays; SeqInfo's clamps apply as in the kernels.
+void varlen_bwd_deterministic(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& out, const at::Tensor& lse, const VarlenArgs& args,
+                              const AttentionOptions& opts, at::Tensor& dq, at::Tensor& dk, at::Tensor& dv) {
+  const at::Tensor cu_q = args.cu_seqlens_q.cpu(), cu_k = args.cu_seqlens_k.cpu();
+  const at::Tensor used = args.seqused_k.defined() ? args.seqused_k.cpu() : at::Tensor();
+  VarlenParams host;
+  host.cu_seqlens_q = cu_q.data_ptr<int32_t>();
+  host.cu_seqlens_k = cu_k.data_ptr<int32_t>();
+  host.seqused_k = used.defined() ? used.data_ptr<int32_t>() : nullptr;
+  host.total_q = q.size(0);
+  host.total_k = k.size(0);
+  auto bhsd = [](const at::Tensor& t, int64_t begin, int64_t len) { return packed_as_bhsd(t.narrow(0, begin, len)); };
+  for (int64_t b = 0; b < args.batch(); ++b) {
+    const SeqInfo s = varlen_seq_info(host, b, args.max_seqlen_q, args.max_seqlen_k);
+    if (s.seqlen_q == 0 || s.seqlen_k == 0) continue;  // its gradients are the allocation's zeros
+    AttentionOptions seq_opts = opts;
+    if (opts.alibi_slopes.defined() && opts.alibi_slopes.dim() == 2) seq_opts.alibi_slopes = opts.alibi_slopes[b];
+    const at::Tensor qb = bhsd(q, s.q_begin, s.seqlen_q), ob = bhsd(out, s.q_begin, s.seqlen_q);
+    const at::Tensor dob = bhsd(dout, s.q_begin, s.seqlen_q);
+    const at::Tensor kb = bhsd(k, s.k_begin, s.seqlen_k), vb = bhsd(v, s.k_begin, s.seqlen_k);
+    const at::Tensor lse_b = lse.narrow(1, s.q_begin, s.seqlen_q).unsqueeze(0);
+    at::Tensor dqb = bhsd(dq, s.q_begin, s.seqlen_q), dkb = bhsd(dk, s.k_begin, s.seqlen_k);
+    at::Tensor dvb = bhsd(dv, s.k_begin, s.seqlen_k);
+    const BwdParams p = make_bwd_params(dob, qb, kb, vb, ob, lse_b, dqb, dkb, dvb, seq_opts, /*deterministic=*/true);
+    cuda::bwd_composite(dob, qb, kb, vb, ob, lse_b, p, dqb, dkb, dvb);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
+    const at::Tensor& grad_out_in, const at::Tensor& query_in, const at::Tensor& key_in, const at::Tensor& value_in,
+    const at::Tensor& out_in, const at::Tensor& lse, const at::Tensor& cu_seqlens_q, const at::Tensor& cu_seqlens_k,
+    int64_t max_seqlen_q, int64_t max_seqlen_k, double softmax_scale, bool is_causal, int64_t window_left,
+    int64_t window_right, double softcap, bool deterministic, const std::optional<at::Tensor>& alibi_slopes,
+    const std::optional<at::Tensor>& seqused_k) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, /*causal_bottom_right=*/true, window_left,
+                                             window_right, softcap, std::nullopt, alibi_slopes);
+  const VarlenArgs args = make_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k);
+  check_varlen_bwd_inputs(grad_out_in, query_in, key_in, value_in, out_in, lse, args, opts, kCudaLimits);
+  const c10::cuda::CUDAGuard guard(query_in.device());
+  const cudaDeviceProp& prop = device_properties(query_in);
+  check_varlen_grid(args, key_in.size(1), max_seqlen_k, "key");
+  auto [grad_query, grad_key, grad_value] = alloc_varlen_bwd_outputs(query_in, key_in, value_in);
+  if (query_in.numel() == 0 || key_in.numel() == 0 || args.batch() == 0) return {grad_query, grad_key, grad_value};
+  if (deterministic || forced_bwd_path() == "composite") {  // the fused kernel sums dQ with atomics
+    record_kernel(Pass::kBwd, KernelTrace{"composite"});
+    varlen_bwd_deterministic(grad_out_in, query_in, key_in, value_in, out_in, lse, args, opts, grad_query, grad_key,
+                             grad_value);
+    return {grad_query, grad_key, grad_value};
+  }
+
+  const auto dtype = to_dtype(query_in.scalar_type());
+  const int64_t D = query_in.size(2);
+  const cuda::BwdKernelEntry* kernel = cuda::find_bwd_kernel("sm80", (int)D, dtype, /*score_mod=*/true);
+  TORCH_CHECK(kernel != nullptr && kernel->launch_varlen != nullptr, "flashcore: this build has no variable-length "
+              "backward kernel for head_dim ", D, " and dtype ", c10::toString(query_in.scalar_type()));
+  TORCH_CHECK_NOT_IMPLEMENTED((int64_t)prop.sharedMemPerBlockOptin >= kernel->smem_bytes, "flashcore: the "
+              "variable-length backward for head_dim ", D, " needs ", kernel->smem_bytes, " bytes of shared memory a "
+              "block; ", prop.name, " grants ", prop.sharedMemPerBlockOptin);
+  const at::Tensor q = packed_aligned_for_16b_loads(query_in), k = packed_aligned_for_16b_loads(key_in);
+  const at::Tensor v = packed_aligned_for_16b_loads(value_in), o = packed_aligned_for_16b_loads(out_in);
+  const at::Tensor dout = packed_aligned_for_16b_loads(grad_out_in);
+  const BwdParams p = make_varlen_bwd_params(dout, q, k, v, o, lse, at::Tensor(), grad_key, grad_value, args, opts,
+                                             deterministic);
+  const int64_t total_q = q.size(0), Hq = q.size(1);
+  const auto f32 = q.options().dtype(at::kFloat);
+  at::Tensor dsum = at::empty({Hq, total_q}, f32);
+  at::Tensor dq_accum = at::empty({Hq, total_q, kernel->head_dim_tile}, f32);
+  poison_if_enabled({dsum, dq_accum});
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  // The pre-pass sees the packed rows as one sequence of total_q rows per head (lse's layout): it reads every row
+  // of out and grad_out (all inside the tensors) and zeroes all of dq_accum.
+  BwdParams rows = p;
+  rows.batch = 1;
+  rows.seqlen_q = total_q;
+  rows.varlen = VarlenParams{};
+  cuda::launch_bwd_prepass(rows, q.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(),
+                           total_q, kernel->head_dim_tile, stream);
+  record_kernel(Pass::kBwd, KernelTrace{"sm80", kernel->head_dim_tile, 0, 1, false, true, true});
+  kernel->launch_varlen(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
+  grad_query.copy_(dq_accum.transpose(0, 1).narrow(2, 0, D));
+  return {grad_query, grad_key, grad_value};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashcore, CUDA, m) {
+  m.impl("varlen_fwd", &varlen_fwd_cuda);
+  m.impl("varlen_bwd", &varlen_bwd_cuda);
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
   m.impl("fwd_kernel_name", &fwd_kernel_name_cuda);

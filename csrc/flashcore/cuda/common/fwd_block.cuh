@@ -23,6 +23,12 @@ struct FwdBlock {
   int n_first = 0;
   int n_blocks;
   int split_rank = 0, num_splits = 1;
+  // The sequence of this batch entry (seqlen.h): its lengths, its band and lse's index of its row 0. Dense calls
+  // set them from the params; the pointers below already point at the sequence's first rows.
+  int seqlen_q, seqlen_k;
+  int64_t lse_row0;
+  Band band;
+  int q_begin = 0, k_begin = 0;  // varlen: the sequence's first rows in the packed tensors (TMA coordinates)
   const Element* q;
   const Element* k;
   const Element* v;
@@ -35,7 +41,8 @@ struct FwdBlock {
 // below 2^31, so FastDiv's 32-bit quotients are exact. The query block stays a plain int division of the tile:
 // computed that way it lives in uniform registers, and the mask tests of the key loop with it (a FastDiv there
 // moved them to the vector pipe and changed the schedule of every key loop).
-template <typename Element, int kBlockM, int kBlockN>
+// kVarlen: a variable-length batch; the block's query rows may lie past its sequence's end (the caller exits).
+template <typename Element, int kBlockM, int kBlockN, bool kVarlen = false>
 __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks, int tile) {
   FwdBlock<Element> blk;
   const uint32_t bh = (uint32_t)(tile / num_m_blocks);
@@ -50,15 +57,33 @@ __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int n
   blk.k = static_cast<const Element*>(p.k) + blk.b * p.k_stride.batch + blk.h_kv * p.k_stride.head;
   blk.v = static_cast<const Element*>(p.v) + blk.b * p.v_stride.batch + blk.h_kv * p.v_stride.head;
   blk.out = static_cast<Element*>(p.out) + blk.b * p.out_stride.batch + blk.h * p.out_stride.head;
-  const IndexRange tiles = Band::tiles(p.band.keys_of_queries(blk.m0, (int64_t)blk.m0 + kBlockM), kBlockN);
+  if constexpr (kVarlen) {
+    const SeqInfo seq = p.seq(blk.b);
+    blk.seqlen_q = (int)seq.seqlen_q;
+    blk.seqlen_k = (int)seq.seqlen_k;
+    blk.lse_row0 = p.row_index(seq, blk.b, blk.h);
+    blk.band = p.band_of(seq);
+    blk.q_begin = (int)seq.q_begin;  // < 2^31: the host checks the packed lengths
+    blk.k_begin = (int)seq.k_begin;
+    blk.q += seq.q_begin * p.q_stride.seq;
+    blk.out += seq.q_begin * p.out_stride.seq;
+    blk.k += seq.k_begin * p.k_stride.seq;
+    blk.v += seq.k_begin * p.v_stride.seq;
+  } else {
+    blk.seqlen_q = (int)p.seqlen_q;
+    blk.seqlen_k = (int)p.seqlen_k;
+    blk.lse_row0 = (int64_t)blk.bh * p.seqlen_q;
+  }
+  const Band& band = kVarlen ? blk.band : p.band;
+  const IndexRange tiles = Band::tiles(band.keys_of_queries(blk.m0, (int64_t)blk.m0 + kBlockM), kBlockN);
   blk.n_first = (int)tiles.begin;
   blk.n_blocks = (int)tiles.end;
   return blk;
 }
 
-template <typename Element, int kBlockM, int kBlockN>
+template <typename Element, int kBlockM, int kBlockN, bool kVarlen = false>
 __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks) {
-  return fwd_block<Element, kBlockM, kBlockN>(p, num_m_blocks, (int)blockIdx.x);
+  return fwd_block<Element, kBlockM, kBlockN, kVarlen>(p, num_m_blocks, (int)blockIdx.x);
 }
 
 // The attention sink of query head h in log2 units, or -inf without sinks (score_mod.h). A global load: after the
@@ -85,7 +110,7 @@ __device__ __forceinline__ void write_lse_row(float lse, const FwdBlock<Element>
                                               int lane) {
   if ((lane & 3) == 0) {
     const int q_row = blk.m0 + row;
-    if (q_row < p.seqlen_q) p.lse[blk.bh * p.seqlen_q + q_row] = lse;
+    if (q_row < blk.seqlen_q) p.lse[blk.lse_row0 + q_row] = lse;
   }
 }
 
@@ -140,7 +165,7 @@ __device__ __forceinline__ void write_output(const float (&o)[kMTiles][kDTiles][
                                              int warp_row0, int lane, Sync sync = Sync{}) {
   stage_output<QTile>(o, lse, sQ, blk, p, warp_row0, lane);
   sync();
-  store_tile<QTile, kNThreads>(sQ, blk.out, p.out_stride.seq, blk.m0, (int)p.seqlen_q, (int)p.head_dim);
+  store_tile<QTile, kNThreads>(sQ, blk.out, p.out_stride.seq, blk.m0, blk.seqlen_q, (int)p.head_dim);
 }
 
 }  // namespace flashcore::cuda

@@ -42,7 +42,10 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
 
 // kScoreMod: the score-mod variant (softcap, ALiBi, or a scale that is not positive; score_mod.h): P is rebuilt
 // from the transformed logits, and dS gains the softcap's derivative 1 - tanh^2.
-template <typename Traits, bool kScoreMod>
+// kVarlen: a variable-length batch (seqlen.h): the block's keys and queries are its sequence's; dsum and dq_accum
+// follow lse's (heads_q, total_q) layout (dq_accum: (heads_q, total_q, kHeadDim)); a key block past the sequence's
+// end exits at once (its dK/dV rows, outside the sequence, stay the caller's zeros).
+template <typename Traits, bool kScoreMod, bool kVarlen = false>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     bwd_sm80_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_accum,
                     int num_n_blocks) {
@@ -82,17 +85,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int64_t b = p.heads_kv_div.divmod(blockIdx.x / num_n_blocks, h_kv32);  // < gridDim.x < 2^31
   const int64_t h_kv = h_kv32;
   const int n0 = n_block * kBlockN;
-  const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
+  const SeqInfo seq = p.seq(b);  // dense: (0, 0, seqlen_q, seqlen_k)
+  if (kVarlen && n0 >= seq.seqlen_k) return;
+  const int seqlen_q = kVarlen ? (int)seq.seqlen_q : (int)p.seqlen_q;
+  const int seqlen_k = kVarlen ? (int)seq.seqlen_k : (int)p.seqlen_k;
+  const int head_dim = (int)p.head_dim;
+  const int64_t q_begin = kVarlen ? seq.q_begin : 0, k_begin = kVarlen ? seq.k_begin : 0;
   auto stage_q = [&](int stage) { return smem + stage * Traits::kStageElems; };
   auto stage_do = [&](int stage) { return smem + stage * Traits::kStageElems + QTile::kElems; };
 
-  const Element* k = static_cast<const Element*>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head;
-  const Element* v = static_cast<const Element*>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head;
+  const Element* k =
+      static_cast<const Element*>(p.k) + b * p.k_stride.batch + h_kv * p.k_stride.head + k_begin * p.k_stride.seq;
+  const Element* v =
+      static_cast<const Element*>(p.v) + b * p.v_stride.batch + h_kv * p.v_stride.head + k_begin * p.v_stride.seq;
   cuda::load_tile_async<KVTile, kNThreads>(sK, k, p.k_stride.seq, n0, seqlen_k, head_dim);
   cuda::load_tile_async<KVTile, kNThreads>(sV, v, p.v_stride.seq, n0, seqlen_k, head_dim);
 
   // Query blocks [m_begin, m_begin + m_count) see at least one key of this block (the mask's band).
-  const Band& band = p.band;
+  const Band seq_band = p.band_of(seq);
+  const Band& band = kVarlen ? seq_band : p.band;
   const IndexRange m_tiles =
       Band::tiles(band.queries_of_keys(n0, (int64_t)n0 + kBlockN, seqlen_q), kBlockM);
   const int m_begin = (int)m_tiles.begin;
@@ -105,13 +116,15 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   auto load_query_block = [&](int it, int stage) {
     const int64_t h = h_kv * p.group + it / m_count;
     const int m0 = (m_begin + it % m_count) * kBlockM;
-    const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head;
-    const Element* dout = static_cast<const Element*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head;
+    const Element* q = static_cast<const Element*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +
+                       q_begin * p.q_stride.seq;
+    const Element* dout = static_cast<const Element*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head +
+                          q_begin * p.dout_stride.seq;
     cuda::load_tile_async<QTile, kNThreads>(stage_q(stage), q, p.q_stride.seq, m0, seqlen_q, head_dim);
     cuda::load_tile_async<QTile, kNThreads>(stage_do(stage), dout, p.dout_stride.seq, m0, seqlen_q, head_dim);
     if (tid < kBlockM) {
       const int row = m0 + tid;
-      const int64_t idx = (b * p.heads_q + h) * p.seqlen_q + row;
+      const int64_t idx = kVarlen ? h * p.varlen.total_q + q_begin + row : (b * p.heads_q + h) * p.seqlen_q + row;
       float lse2 = INFINITY, d = 0.f;
       if (row < seqlen_q) {
         const float l = p.lse[idx];
@@ -149,6 +162,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     const int m_block = m_begin + it % m_count;
     const int m0 = m_block * kBlockM;
     if constexpr (kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, b, h);
+    if constexpr (kVarlen) mod.alibi_offset = seqlen_k - seqlen_q;
     const Element* sQs = stage_q(stage);
     const Element* sdOs = stage_do(stage);
 
@@ -212,7 +226,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // dQ (rows wm*16.., dims wc*kQDims..) of this key block, added to the fp32 workspace.
     float dq[kQDT][4];
     warp_gemm_ab<PTile, KVTile, kQDT, kBlockN / 16>(dq, sdS, wm * 16, sK, wc * Traits::kQDims, lane);
-    float* dq_tile = dq_accum + ((b * p.heads_q + h) * dq_rows_per_head + m0) * Traits::kHeadDim;
+    float* dq_tile = dq_accum + (kVarlen ? h * p.varlen.total_q + q_begin + m0
+                                         : (b * p.heads_q + h) * dq_rows_per_head + m0) * Traits::kHeadDim;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if (m0 + r_lo + 8 * half < seqlen_q) {
@@ -242,8 +257,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     }
   }
   __syncthreads();
-  Element* dk_out = static_cast<Element*>(p.dk) + b * p.dk_stride.batch + h_kv * p.dk_stride.head;
-  Element* dv_out = static_cast<Element*>(p.dv) + b * p.dv_stride.batch + h_kv * p.dv_stride.head;
+  Element* dk_out =
+      static_cast<Element*>(p.dk) + b * p.dk_stride.batch + h_kv * p.dk_stride.head + k_begin * p.dk_stride.seq;
+  Element* dv_out =
+      static_cast<Element*>(p.dv) + b * p.dv_stride.batch + h_kv * p.dv_stride.head + k_begin * p.dv_stride.seq;
   cuda::store_tile<KVTile, kNThreads>(sK, dk_out, p.dk_stride.seq, n0, seqlen_k, head_dim);
   cuda::store_tile<KVTile, kNThreads>(sV, dv_out, p.dv_stride.seq, n0, seqlen_k, head_dim);
 }

@@ -55,7 +55,9 @@ struct FwdKernelTraits {
 
 // kScoreMod: the score-mod variant (softcap, ALiBi, or a scale that is not positive; score_mod.h), which turns each
 // tile's scores into logits before the mask and runs the softmax with scale 1.
-template <typename Traits, bool kScoreMod>
+// kVarlen: a variable-length batch (seqlen.h): each block reads its sequence's lengths, band and first rows, and a
+// block whose query rows all lie past its sequence's end exits at once.
+template <typename Traits, bool kScoreMod, bool kVarlen = false>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     fwd_sm80_kernel(const __grid_constant__ FwdParams p, const int num_m_blocks) {
   using Element = typename Traits::Element;
@@ -75,10 +77,13 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int warp_row0 = warp * Traits::kWarpRows;  // first row of this warp inside the block
-  const int seqlen_q = (int)p.seqlen_q, seqlen_k = (int)p.seqlen_k, head_dim = (int)p.head_dim;
-  const cuda::FwdBlock<Element> blk = cuda::fwd_block<Element, kBlockM, kBlockN>(p, num_m_blocks);
+  const cuda::FwdBlock<Element> blk = cuda::fwd_block<Element, kBlockM, kBlockN, kVarlen>(p, num_m_blocks);
+  if (kVarlen && blk.m0 >= blk.seqlen_q) return;
+  const int seqlen_q = kVarlen ? blk.seqlen_q : (int)p.seqlen_q;
+  const int seqlen_k = kVarlen ? blk.seqlen_k : (int)p.seqlen_k;
+  const int head_dim = (int)p.head_dim;
   const int m0 = blk.m0, n_end = blk.n_blocks, n_count = blk.n_blocks - blk.n_first;
-  const Band& band = p.band;
+  const Band& band = kVarlen ? blk.band : p.band;
   const TileRange unmasked = band.unmasked_key_tiles(m0, kBlockM, kBlockN);  // key tiles the mask can skip
 
   float o[kMTiles][kDTiles][4];
@@ -111,6 +116,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     // The plain kernel folds the (positive) scale into the softmax's exp2; the score-mod one transforms first.
     ScoreMod mod;
     if constexpr (kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, blk.b, blk.h);
+    if constexpr (kVarlen) mod.alibi_offset = seqlen_k - seqlen_q;  // the sequence's, not the max lengths'
+
     const float softmax_scale = kScoreMod ? cuda::folded_softmax_scale(mod) : p.scale_log2;
 
     for (int it = 0; it < n_count; ++it) {

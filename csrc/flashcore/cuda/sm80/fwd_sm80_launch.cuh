@@ -30,6 +30,22 @@ void launch_fwd_tile(const FwdParams& p, cudaStream_t stream) {
   cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, 1, p, num_m_blocks);
 }
 
+// A variable-length batch (seqlen.h): the configured tile over max_seqlen_q (p.seqlen_q) rows per sequence, the
+// score-mod variant (it applies any scale, softcap and ALiBi).
+template <int kHeadDim, typename Element>
+void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
+  using Config = FwdConfig<kHeadDim>;
+  using Traits = FwdKernelTraits<kHeadDim, Element, Config::kBlockM, Config::kBlockN>;
+  auto kernel = &fwd_sm80_kernel<Traits, /*kScoreMod=*/true, /*kVarlen=*/true>;
+  constexpr int kSmem = Traits::kSmemBytes;
+  static std::atomic<uint64_t> configured_devices{0};
+  cuda::set_max_dynamic_smem_once(kernel, kSmem, configured_devices);
+  const int num_m_blocks = (int)((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
+  const int64_t grid = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked grid <= INT32_MAX
+  static cuda::PdlSupport pdl;
+  cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, 1, p, num_m_blocks);
+}
+
 // A grid of kBlockM-row blocks that leaves multiprocessors idle runs the small-grid tile instead. kScoreMod: the
 // score-mod variant (fwd_sm80_kernel.cuh).
 template <int kHeadDim, typename Element, bool kScoreMod>

@@ -49,7 +49,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   // Key blocks n_last, n_last - 1, ... (n_count of them: all of [0, blk.n_blocks) unless the block is one slice
   // of a key split).
   const int m0 = blk.m0, n_last = blk.n_blocks - 1, n_count = blk.n_blocks - blk.n_first;
-  const Band& band = p.band;
+  const Band& band = Traits::kVarlen ? blk.band : p.band;
   const TileRange unmasked = band.unmasked_key_tiles(m0, kBlockM, kBlockN);  // key tiles the mask can skip
 
   float o[1][kDTiles][4];
@@ -72,6 +72,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   // The plain kernel folds the (positive) scale into the softmax's exp2; the score-mod one transforms first.
   ScoreMod mod;
   if constexpr (Traits::kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, blk.b, blk.h);
+  if constexpr (Traits::kVarlen) mod.alibi_offset = blk.seqlen_k - blk.seqlen_q;
   const float softmax_scale = Traits::kScoreMod ? cuda::folded_softmax_scale(mod) : p.scale_log2;
 
   // S = Q K^T of ring stage `stage` into t, issued asynchronously.
@@ -288,6 +289,19 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   // barrier; then one thread stores the tile, one 64-column box a span (rows past seqlen_q and columns past
   // head_dim are clipped by TMA). Without kSeparateO the Q/O buffer goes back to the producer's next Q load only
   // once TMA has read it: that thread's warp arrives on q_empty after the bulk group's reads completed.
+  if constexpr (Traits::kVarlen) {
+    // Bounded 16-byte stores of the sequence's rows (a TMA store would write past its end, into the next one);
+    // then the staging buffer is free once every consumer's reads of it are done.
+    ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
+    cuda::store_tile<typename Traits::QTile, Traits::kConsumerThreads>(smem.o, blk.out, p.out_stride.seq, m0,
+                                                                       blk.seqlen_q, (int)p.head_dim);
+    if constexpr (!Traits::kSeparateO) {
+      ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
+      __syncwarp();
+      if (lane == 0) ptx::mbarrier_arrive(smem.q_empty);
+    }
+    return;
+  }
   ptx::fence_proxy_async_shared();
   ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
   if (threadIdx.x == 0) {

@@ -72,7 +72,9 @@ __device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_bloc
     ptx::wait_for_prior_grids();
     tile_fn(blk, 0, 0);
   } else {
-    const auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)blockIdx.x);
+    const auto blk =
+        cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN, Traits::kVarlen>(p, num_m_blocks, (int)blockIdx.x);
+    if (Traits::kVarlen && blk.m0 >= blk.seqlen_q) return;  // past its sequence's end: the whole block skips it
     ptx::wait_for_prior_grids();
     tile_fn(blk, 0, 0);
   }

@@ -22,7 +22,10 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
                                              const SharedStorage<Traits>& smem, const CUtensorMap* tm_q,
                                              const CUtensorMap* tm_k, const CUtensorMap* tm_v, int tile_count,
                                              int kv_count) {
-  const int b = blk.b, h = blk.h, h_kv = blk.h_kv;
+  // Varlen: the packed tensors are one batch entry; the sequence's rows start at q_begin / k_begin.
+  const int b = Traits::kVarlen ? 0 : blk.b, h = blk.h, h_kv = blk.h_kv;
+  const int q_row0 = Traits::kVarlen ? blk.q_begin + blk.m0 : blk.m0;
+  const int k_row0 = Traits::kVarlen ? blk.k_begin : 0;
 
   // Q is loaded even for a tile that sees no key (n_blocks == 0): the consumers wait for it on every tile.
   // A buffer's first use needs no wait (a fresh barrier's preceding phase counts as complete), and skipping the
@@ -31,14 +34,14 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
   ptx::mbarrier_arrive_expect_tx(smem.q_full, Traits::kQBytes);
 #pragma unroll
   for (int span = 0; span < Traits::kSpans; ++span)
-    ptx::tma_load_4d(smem.q + span * Traits::kBlockM * 64, tm_q, smem.q_full, span * 64, blk.m0, h, b);
+    ptx::tma_load_4d(smem.q + span * Traits::kBlockM * 64, tm_q, smem.q_full, span * 64, q_row0, h, b);
 
   const int n_count = blk.n_blocks - blk.n_first;
   for (int it = 0; it < n_count; ++it) {
     const int use = kv_count + it;
     const int stage = use % Traits::kStages;
     const uint32_t parity = ptx::empty_parity(use / Traits::kStages);
-    const int row0 = (blk.n_blocks - 1 - it) * Traits::kBlockN;
+    const int row0 = k_row0 + (blk.n_blocks - 1 - it) * Traits::kBlockN;
     const bool reused = use >= Traits::kStages;
 
     if (reused) ptx::mbarrier_wait(&smem.k_empty[stage], parity);

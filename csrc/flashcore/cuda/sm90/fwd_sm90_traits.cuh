@@ -18,8 +18,12 @@ namespace flashcore::sm90 {
 // in the epilogue, which sat behind both; docs/PERFORMANCE.md).
 // kScoreMod_: the score-mod variant (softcap, ALiBi, or a scale that is not positive; score_mod.h): each tile's
 // scores become logits before the mask, and the softmax runs with scale 1.
+// kVarlen_: a variable-length batch (seqlen.h): TMA reads the packed tensors at each sequence's rows (rows past its
+// end, read from the next sequence, are masked like any key past seqlen_k, or never stored); O is stored with
+// bounded 16-byte stores instead of TMA, which would write past the sequence's end; one tile per block, no key split.
 template <int kHeadDim_, typename Element_, int kWarpgroups_ = FwdSm90Config<kHeadDim_>::kWarpgroups,
-          int kBlockN_ = FwdSm90Config<kHeadDim_>::kBlockN, bool kCompact_ = false, bool kScoreMod_ = false>
+          int kBlockN_ = FwdSm90Config<kHeadDim_>::kBlockN, bool kCompact_ = false, bool kScoreMod_ = false,
+          bool kVarlen_ = false>
 struct FwdSm90Traits {
   using Element = Element_;
   using Config = FwdSm90Config<kHeadDim_>;
@@ -36,6 +40,7 @@ struct FwdSm90Traits {
   static constexpr int kBlockN = kBlockN_;
   static constexpr bool kCompact = kCompact_;
   static constexpr bool kScoreMod = kScoreMod_;
+  static constexpr bool kVarlen = kVarlen_;
   static_assert(!kCompact || kWarpgroups == 1, "compact variants are one-warpgroup blocks");
   static_assert(kBlockN % 16 == 0, "P V takes k16 steps over a tile's keys");
   static constexpr int kStages = Config::kStages;
@@ -63,7 +68,7 @@ struct FwdSm90Traits {
   // built for one tile per block and the launcher never makes its grid persistent.
   // One-warpgroup variants are launched only for grids of at most one wave (fwd_sm90_launch.cuh), so they are
   // built without the loop too (with two score buffers, its counters spilled 8 B).
-  static constexpr bool kPersistent = Config::kPersistent && kWarpgroups > 1;
+  static constexpr bool kPersistent = Config::kPersistent && kWarpgroups > 1 && !kVarlen;
   // Score (S) register buffers of a consumer: two where a warpgroup is alone in its block (no ping-pong partner
   // fills the tensor cores during its softmax), so the next tile's S is computed during this tile's softmax; the
   // second buffer must fit beside O and P (head dim 64: 2 x 64 + 32 + 32 of 248 registers).
@@ -74,7 +79,7 @@ struct FwdSm90Traits {
   // shares one query tile, each walking a slice of its key tiles; every block but rank 0 sends its normalized O
   // and LSE (kSplitVecs float4 a thread) into rank 0's K/V ring, free once rank 0's key walk is done, and rank 0
   // merges them (fwd_sm90_split.cuh). The ring bounds the splits.
-  static constexpr bool kSplitKeys = kWarpgroups == 1 && !kCompact;
+  static constexpr bool kSplitKeys = kWarpgroups == 1 && !kCompact && !kVarlen;
   // The split protocol has one phase per barrier and no ring use after the merge: one tile per block.
   static_assert(!(kSplitKeys && kPersistent), "key splits need one tile per block");
   static constexpr int kSplitVecs = (kHeadDim / 2 + 2 + 3) / 4;  // O fragment + 2 row LSEs, in float4s

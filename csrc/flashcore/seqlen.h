@@ -1,0 +1,55 @@
+// Where each batch entry's sequence lives: one description shared by the host, the CPU kernels and the CUDA
+// kernels, for dense (batch, heads, seq, dim) tensors and for variable-length ("varlen") batches packed along the
+// sequence dimension, as flash-attn's flash_attn_varlen_func takes them.
+//
+// Varlen: q is (total_q, heads_q, dim), k/v (total_k, heads_kv, dim); sequence b owns rows
+// [cu_seqlens_q[b], cu_seqlens_q[b+1]) of q and [cu_seqlens_k[b], cu_seqlens_k[b] + seqlen_k(b)) of k/v, where
+// seqlen_k(b) = cu_seqlens_k[b+1] - cu_seqlens_k[b], or seqused_k[b] when given (FlashAttention-3's "use only the
+// first n keys"). The kernels address a packed tensor as a batch of one-stride-0 entries: batch stride 0, and the
+// sequence's first row added to the row index. FwdParams::seqlen_q/seqlen_k then hold max_seqlen_q/max_seqlen_k,
+// which size the grids.
+//
+// The offsets live on the device and are not checked on the hot path (that would need a sync). Whatever they say,
+// SeqInfo keeps every sequence inside its tensor: offsets are clamped to [0, total], ends to [begin, total], and
+// lengths to the max_seqlen the grid covers (a longer sequence is truncated to it; the opt-in validation mode,
+// FLASHCORE_CHECK_VARLEN=1, reports such input instead). No kernel can then touch memory outside its tensors.
+#pragma once
+
+#include <cstdint>
+
+#include "macros.h"
+
+namespace flashcore {
+
+struct VarlenParams {
+  const int32_t* cu_seqlens_q = nullptr;  // (batch + 1,); null: dense tensors
+  const int32_t* cu_seqlens_k = nullptr;  // (batch + 1,)
+  const int32_t* seqused_k = nullptr;     // (batch,) or null
+  int64_t total_q = 0;                    // rows of the packed q (and out, lse's last dim)
+  int64_t total_k = 0;                    // rows of the packed k and v
+
+  FLASHCORE_HOST_DEVICE bool enabled() const { return cu_seqlens_q != nullptr; }
+};
+
+// One batch entry's sequence: its first rows in the (packed) tensors and its lengths. Dense: begins 0.
+struct SeqInfo {
+  int64_t q_begin = 0, k_begin = 0;
+  int64_t seqlen_q = 0, seqlen_k = 0;
+};
+
+FLASHCORE_HOST_DEVICE int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
+
+// max_seqlen_q/max_seqlen_k: the lengths the call's grids cover (FwdParams::seqlen_q/seqlen_k).
+FLASHCORE_HOST_DEVICE SeqInfo varlen_seq_info(const VarlenParams& v, int64_t b, int64_t max_seqlen_q,
+                                              int64_t max_seqlen_k) {
+  SeqInfo s;
+  s.q_begin = clamp64(v.cu_seqlens_q[b], 0, v.total_q);
+  s.seqlen_q = clamp64(clamp64(v.cu_seqlens_q[b + 1], s.q_begin, v.total_q) - s.q_begin, 0, max_seqlen_q);
+  s.k_begin = clamp64(v.cu_seqlens_k[b], 0, v.total_k);
+  int64_t len_k = clamp64(v.cu_seqlens_k[b + 1], s.k_begin, v.total_k) - s.k_begin;
+  if (v.seqused_k != nullptr) len_k = clamp64(v.seqused_k[b], 0, len_k);
+  s.seqlen_k = clamp64(len_k, 0, max_seqlen_k);
+  return s;
+}
+
+}  // namespace flashcore

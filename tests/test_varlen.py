@@ -1,0 +1,430 @@
+"""Variable-length batches (flashcore.varlen_attention, torch.ops.flashcore.varlen_fwd/varlen_bwd, and flash-attn's
+varlen functions): every sequence of a packed batch must equal attention over that sequence alone, forward and
+backward, by the suite's one rule (float64 reference and PyTorch's own low-precision answer, sequence by sequence).
+Covers empty sequences, a batch of one, many short sequences, GQA, seqused_k, every variant, bottom-right causal
+alignment per sequence, strided inputs, errors naming the argument, opcheck and torch.compile."""
+
+import math
+
+import pytest
+import torch
+
+import flashcore
+from conftest import (assert_ran, check_close, check_gradients, cuda_skip_reason, lowp_attention, lowp_lse,
+                      make_generator, reference_attention, reference_lse)
+
+requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
+
+
+def offsets(lens, device):
+    return torch.tensor([0] + list(torch.tensor(lens).cumsum(0).tolist()), dtype=torch.int32, device=device)
+
+
+def packed(total, heads, dim, dtype, g, device, strided=False, scale=1.0):
+    """(total, heads, dim); strided: a view with padded row and head strides (last dim contiguous)."""
+    if strided:
+        base = torch.randn(total, heads + 1, dim + 8, generator=g, device=device) * scale
+        return base.to(dtype)[:, 1:, :dim]
+    return (torch.randn(total, heads, dim, generator=g, device=device) * scale).to(dtype)
+
+
+def make_case(request, device, dtype, lens_q, lens_k, Hq, Hkv, D, variant=None, strided=False, used_k=None):
+    variant = variant or {}
+    g = make_generator(request, device)
+    scale = 3.0 if "softcap" in variant else 1.0
+    q = packed(sum(lens_q), Hq, D, dtype, g, device, strided, scale)
+    k = packed(sum(lens_k), Hkv, D, dtype, g, device, strided, scale)
+    v = packed(sum(lens_k), Hkv, D, dtype, g, device, strided)
+    kw = {}
+    if variant.get("causal"):
+        kw["is_causal"] = True
+    if "window" in variant:
+        kw["window_size"] = variant["window"]
+    if "softcap" in variant:
+        kw["softcap"] = variant["softcap"]
+    if "sinks" in variant:
+        kw["sinks"] = torch.randn(Hq, generator=g, device=device) * 2
+    if "alibi" in variant:
+        kw["alibi_slopes"] = torch.rand((len(lens_q), Hq), generator=g, device=device) * 0.2
+    if used_k is not None:
+        kw["seqused_k"] = torch.tensor(used_k, dtype=torch.int32, device=device)
+    return q, k, v, offsets(lens_q, device), offsets(lens_k, device), kw
+
+
+def per_sequence(fn, q, k, v, cu_q, cu_k, kw, **extra):
+    """fn(q_b, k_b, v_b, **reference kwargs) for each sequence on (1, H, S, D) views; outputs re-packed:
+    out (total_q, Hq, D) and lse (Hq, total_q) (None when fn returns only out)."""
+    outs, lses = [], []
+    used = kw.get("seqused_k")
+    for b in range(cu_q.numel() - 1):
+        q0, q1 = int(cu_q[b]), int(cu_q[b + 1])
+        k0, k1 = int(cu_k[b]), int(cu_k[b + 1])
+        if used is not None:
+            k1 = k0 + int(used[b])
+        qb, kb, vb = (t.transpose(0, 1).unsqueeze(0) for t in (q[q0:q1], k[k0:k1], v[k0:k1]))
+        ref = dict(causal=kw.get("is_causal", False), causal_offset=(k1 - k0) - (q1 - q0),
+                   window=tuple(kw.get("window_size", (-1, -1))), softcap=kw.get("softcap", 0.0),
+                   sinks=kw.get("sinks"), **extra)
+        if kw.get("alibi_slopes") is not None:
+            ref["alibi"] = kw["alibi_slopes"][b:b + 1]
+        r = fn(qb, kb, vb, **ref)
+        o, l = r if isinstance(r, tuple) else (r, None)
+        outs.append(o[0].transpose(0, 1))
+        if l is not None:
+            lses.append(l[0])
+    out = torch.cat(outs, 0)
+    return out, (torch.cat(lses, 1) if lses else None)
+
+
+def lowp_packed_lse(q, k, v, cu_q, cu_k, kw):
+    """PyTorch's own float32 LSE of each sequence (conftest.lowp_lse), packed (Hq, total_q)."""
+    return per_sequence(lambda qb, kb, vb, **ref: (qb, lowp_lse(qb, kb, **ref)), q, k, v, cu_q, cu_k, kw)[1]
+
+
+def run_forward(q, k, v, cu_q, cu_k, kw, dtype=None):
+    max_q = int((cu_q[1:] - cu_q[:-1]).max()) if cu_q.numel() > 1 else 1
+    max_k = int((cu_k[1:] - cu_k[:-1]).max()) if cu_k.numel() > 1 else 1
+    out, lse = flashcore.varlen_attention(q, k, v, cu_q, cu_k, max(max_q, 1), max(max_k, 1), return_lse=True, **kw)
+    ref, ref_lse = per_sequence(reference_attention, q, k, v, cu_q, cu_k, kw)
+    low, _ = per_sequence(lowp_attention, q, k, v, cu_q, cu_k, kw)
+    check_close("out", out, ref, low, dtype=dtype)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    low_lse = ref_lse if lse_dtype == torch.float64 else lowp_packed_lse(q, k, v, cu_q, cu_k, kw)
+    assert lse.dtype == lse_dtype and lse.shape == (q.size(1), q.size(0))
+    check_close("lse", lse, ref_lse, low_lse, dtype=lse_dtype)
+    return out, lse
+
+
+def run_backward(q, k, v, cu_q, cu_k, kw, dtype=None):
+    sinks = kw.get("sinks")
+    if sinks is not None:
+        sinks = sinks.clone().requires_grad_()
+        kw = dict(kw, sinks=sinks)
+    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    g = torch.Generator(device=q.device).manual_seed(11)
+    dout = torch.randn(q.shape, generator=g, device=q.device).to(q.dtype)
+    max_q = max(int((cu_q[1:] - cu_q[:-1]).max()), 1)
+    max_k = max(int((cu_k[1:] - cu_k[:-1]).max()), 1)
+    inputs = (q, k, v) + ((sinks,) if sinks is not None else ())
+    out = flashcore.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, **kw)
+    got = torch.autograd.grad(out, inputs, dout)
+    low_out, _ = per_sequence(lowp_attention, q, k, v, cu_q, cu_k, kw)
+    low = [x.nan_to_num(0.0) for x in torch.autograd.grad(low_out, inputs, dout, allow_unused=True)]
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    kw64 = dict(kw)
+    inputs64 = (q64, k64, v64)
+    if sinks is not None:
+        kw64["sinks"] = sinks.detach().double().requires_grad_()
+        inputs64 += (kw64["sinks"],)
+    ref_out, _ = per_sequence(reference_attention, q64, k64, v64, cu_q, cu_k, kw64)
+    want = torch.autograd.grad(ref_out, inputs64, dout.double(), allow_unused=True)
+    want = [torch.zeros_like(x) if w is None else w for w, x in zip(want, inputs64)]
+    check_gradients(got[:3], want[:3], low[:3], dtype=dtype)
+    if sinks is not None:
+        # PyTorch's own error on dsinks through its float32 softmax is far below a fused kernel's (which reads O
+        # rounded); the yardstick is the exact value plus the rounded-output terms' error, as test_variants does.
+        check_close("dsinks", got[3], want[3], want[3] + (low[3] - want[3]).abs() + 2 ** -8 * want[3].abs(),
+                    dtype=torch.float32)
+    return got
+
+
+# Sequence lengths (queries, keys): empty sequences inside the batch, Sq > Sk (rows that see nothing under a
+# bottom-right causal mask), Sq < Sk (a KV prefix), tile edges.
+LENS = ([5, 0, 130, 64, 1, 77], [7, 3, 100, 200, 0, 77])
+
+VARIANTS = {
+    "dense": {},
+    "causal": {"causal": True},
+    "window_causal": {"window": (20, 0), "causal": True},
+    "window_both": {"window": (15, 9)},
+    "softcap": {"softcap": 20.0},
+    "sinks": {"sinks": True},
+    "alibi": {"alibi": True, "causal": True},
+    "all": {"window": (40, -1), "causal": True, "softcap": 30.0, "sinks": True, "alibi": True},
+}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+def test_varlen_forward_cpu(request, variant, dtype):
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cpu", dtype, *LENS, 4, 2, 40, VARIANTS[variant])
+    out, lse = run_forward(q, k, v, cu_q, cu_k, kw)
+    if variant == "causal":  # sequence 0: 5 queries, 7 keys; sequence 4: 1 query, no key -> 0 and -inf
+        row = int(cu_q[4])
+        assert (out[row] == 0).all() and torch.isneginf(lse[:, row]).all()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_varlen_backward_cpu(request, variant, dtype):
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cpu", dtype, *LENS, 4, 2, 24, VARIANTS[variant], strided=True)
+    run_backward(q, k, v, cu_q, cu_k, kw)
+
+
+def test_varlen_seqused_k_cpu(request):
+    """seqused_k: only the first n keys of each sequence; the unused keys get zero gradients."""
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cpu", torch.float32, [30, 10, 70], [50, 20, 90], 2, 2, 16,
+                                        {"causal": True}, used_k=[40, 0, 90])
+    run_forward(q, k, v, cu_q, cu_k, kw)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = flashcore.varlen_attention(q, k, v, cu_q, cu_k, 70, 90, **kw)
+    out.sum().backward()
+    assert (k.grad[40:50] == 0).all() and (k.grad[50:70] == 0).all() and (v.grad[40:70] == 0).all()
+    run_backward(q.detach(), k.detach(), v.detach(), cu_q, cu_k, kw)
+
+
+def test_varlen_many_short_sequences_cpu(request):
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(0, 9, (500,), generator=g).tolist()
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cpu", torch.float32, lens, lens, 2, 1, 16, {"causal": True})
+    run_forward(q, k, v, cu_q, cu_k, kw)
+
+
+def test_varlen_batch_of_one_matches_dense_cpu(request):
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cpu", torch.float32, [93], [93], 4, 2, 32, {"causal": True})
+    out, lse = flashcore.varlen_attention(q, k, v, cu_q, cu_k, 93, 93, is_causal=True, return_lse=True)
+    dense, dense_lse = flashcore.attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                           is_causal=True, enable_gqa=True, return_lse=True)
+    torch.testing.assert_close(out, dense[0].transpose(0, 1), rtol=0, atol=0)
+    torch.testing.assert_close(lse, dense_lse[0], rtol=0, atol=0)
+
+
+def test_varlen_rows_outside_sequences_cpu(request):
+    """cu_seqlens covering only part of the tensors: rows past cu_seqlens_q[-1] get lse -inf and zero dQ; keys past
+    cu_seqlens_k[-1] get zero dK/dV."""
+    g = make_generator(request)
+    q, k, v = (torch.randn(50, 2, 16, generator=g).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 20, 40], dtype=torch.int32)
+    out, lse = flashcore.varlen_attention(q, k, v, cu, cu, 20, 20, return_lse=True)
+    assert torch.isneginf(lse[:, 40:]).all() and torch.isfinite(lse[:, :40]).all()
+    out[:40].sum().backward()
+    assert (q.grad[40:] == 0).all() and (k.grad[40:] == 0).all() and (v.grad[40:] == 0).all()
+
+
+def test_varlen_errors_name_the_argument():
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    f = flashcore.varlen_attention
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be int32"):
+        f(q, q, q, cu.long(), cu, 6, 6)
+    with pytest.raises(RuntimeError, match="cu_seqlens_k must have length"):
+        f(q, q, q, cu, cu[:2], 6, 6)
+    with pytest.raises(RuntimeError, match="cu_seqlens_q must be 1-D"):
+        f(q, q, q, cu[None], cu, 6, 6)
+    with pytest.raises(RuntimeError, match="max_seqlen_q must be in"):
+        f(q, q, q, cu, cu, 0, 6)
+    with pytest.raises(RuntimeError, match="query must be 3-D"):
+        f(q[None], q, q, cu, cu, 6, 6)
+    with pytest.raises(RuntimeError, match="value has 9 rows"):
+        f(q, q, q[:9], cu, cu, 6, 6)
+    with pytest.raises(RuntimeError, match="more than max_seqlen_q"):
+        f(q, q, q, cu, cu, 5, 6)
+    with pytest.raises(RuntimeError, match="non-decreasing"):
+        f(q, q, q, torch.tensor([0, 6, 4], dtype=torch.int32), cu, 6, 6)
+    with pytest.raises(RuntimeError, match="exceeds query's 10 rows"):
+        f(q, q, q, torch.tensor([0, 4, 11], dtype=torch.int32), cu, 7, 6)
+    with pytest.raises(RuntimeError, match="seqused_k"):
+        f(q, q, q, cu, cu, 6, 6, seqused_k=torch.tensor([5, 1], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="alibi_slopes must have shape"):
+        f(q, q, q, cu, cu, 6, 6, alibi_slopes=torch.rand(3, 2))
+
+
+def test_varlen_opcheck_and_compile(request):
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cpu", torch.float32, [5, 0, 17], [9, 4, 17], 2, 1, 16,
+                                        {"causal": True})
+    args = (q, k, v, cu_q, cu_k, 17, 17, 0.25, True, -1, -1, 0.0, False, None, None, None)
+    torch.library.opcheck(torch.ops.flashcore.varlen_fwd.default, args)
+    out, lse = torch.ops.flashcore.varlen_fwd(*args)
+    bwd_args = (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, 17, 17, 0.25, True, -1, -1, 0.0, False, None,
+                None)
+    torch.library.opcheck(torch.ops.flashcore.varlen_bwd.default, bwd_args)
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: flashcore.varlen_attention(q, k, v, cu_q, cu_k, 17, 17, is_causal=True),
+                       fullgraph=True)
+    torch.testing.assert_close(fn(q, k, v), flashcore.varlen_attention(q, k, v, cu_q, cu_k, 17, 17, is_causal=True),
+                               rtol=0, atol=0)
+
+
+def test_varlen_gradcheck_float64(request):
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cpu", torch.float64, [3, 0, 6], [5, 2, 4], 2, 1, 8,
+                                        {"causal": True, "softcap": 5.0, "window": (3, 0)})
+    inputs = tuple(t.requires_grad_() for t in (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: flashcore.varlen_attention(q, k, v, cu_q, cu_k, 6, 5, **kw),
+                                    inputs, eps=1e-6, atol=1e-6, rtol=1e-4)
+
+
+def test_flash_attn_varlen_interface(request):
+    """flash-attn 2.x's varlen functions: argument order and defaults, (out, lse (nheads, total_q), None) with
+    return_attn_probs, the packed forms, window_size as a tensor, dropout and block_table refused by name."""
+    import inspect
+
+    from flashcore.flash_attn_interface import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                                flash_attn_varlen_qkvpacked_func)
+
+    assert list(inspect.signature(flash_attn_varlen_func).parameters) == [
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale",
+        "causal", "window_size", "softcap", "alibi_slopes", "deterministic", "return_attn_probs", "block_table"]
+    assert list(inspect.signature(flash_attn_varlen_qkvpacked_func).parameters) == [
+        "qkv", "cu_seqlens", "max_seqlen", "dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+        "alibi_slopes", "deterministic", "return_attn_probs"]
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cpu", torch.float32, [12, 30], [20, 30], 4, 2, 20)
+    out, lse, probs = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, 0.0, 0.3, True, torch.tensor([6, 0]),
+                                             0.0, None, False, True)
+    assert probs is None and out.shape == q.shape and lse.shape == (4, 42)
+    want = flashcore.varlen_attention(q, k, v, cu_q, cu_k, 30, 30, scale=0.3, is_causal=True, window_size=(6, 0))
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    kv = torch.stack([k, v], 1)
+    torch.testing.assert_close(flash_attn_varlen_kvpacked_func(q, kv, cu_q, cu_k, 30, 30, causal=True),
+                               flashcore.varlen_attention(q, k, v, cu_q, cu_k, 30, 30, is_causal=True), rtol=0, atol=0)
+    qkv = torch.stack([q[:, :2], q[:, 2:], q[:, :2]], 1)
+    same = offsets([12, 30], "cpu")
+    torch.testing.assert_close(flash_attn_varlen_qkvpacked_func(qkv, same, 30),
+                               flashcore.varlen_attention(q[:, :2], q[:, 2:], q[:, :2], same, same, 30, 30),
+                               rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, 0.1)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, block_table=torch.zeros(2, 1, dtype=torch.int32))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+GPU_DIMS = [64, 128, 96, 256]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("head_dim", GPU_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_varlen_forward_cuda(request, family, variant, head_dim, dtype):
+    lens_q, lens_k = [5, 0, 300, 128, 1, 77, 513], [7, 3, 260, 700, 0, 77, 513]
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", dtype, lens_q, lens_k, 4, 2, head_dim, VARIANTS[variant],
+                                        strided=head_dim == 64)
+    run_forward(q, k, v, cu_q, cu_k, kw)
+    assert assert_ran("fwd", family).endswith("varlen")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("head_dim", GPU_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_varlen_backward_cuda(request, variant, head_dim, dtype):
+    lens_q, lens_k = [5, 0, 300, 128, 1, 77], [7, 3, 260, 400, 0, 77]
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", dtype, lens_q, lens_k, 4, 2, head_dim, VARIANTS[variant],
+                                        strided=head_dim == 128)
+    run_backward(q, k, v, cu_q, cu_k, kw)
+    assert flashcore.last_kernel("bwd").startswith("sm80")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_varlen_many_short_sequences_cuda(request, family):
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(0, 17, (10000,), generator=g).tolist()
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens, lens, 2, 1, 64, {"causal": True})
+    out, lse = flashcore.varlen_attention(q, k, v, cu_q, cu_k, 16, 16, is_causal=True, return_lse=True)
+    # against the float64 reference and PyTorch on the padded batch (B, 2, 16, 64)
+    B, L = len(lens), 16
+    idx = torch.cat([torch.arange(n) + i * L for i, n in enumerate(lens)]).cuda()
+    def pad(t):
+        z = t.new_zeros(B * L, t.size(1), t.size(2))
+        z[idx] = t
+        return z.view(B, L, t.size(1), t.size(2)).transpose(1, 2)
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    # bottom-right causal with Sq == Sk is top-left causal; the padded keys come after a sequence's real ones, so
+    # its real rows never see them
+    ref, _ = reference_attention(qp, kp, vp, causal=True)
+    low = lowp_attention(qp, kp, vp, causal=True)
+    flat = lambda t: t.transpose(1, 2).reshape(B * L, 2, 64)[idx]
+    check_close("out", out, flat(ref), flat(low))
+    assert_ran("fwd", family)
+    empty_rows = torch.isneginf(lse).all(0)
+    assert not empty_rows.any()  # every query of a causal sequence sees its own key
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_varlen_long_sequence_cuda(request, family):
+    """A sequence longer than 64k among short ones: checked on its last rows against the float64 reference."""
+    lens = [3, 70000, 129]
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens, lens, 2, 1, 64, {"causal": True})
+    out, lse = flashcore.varlen_attention(q, k, v, cu_q, cu_k, 70000, 70000, is_causal=True, return_lse=True)
+    q1, k1, v1 = q[3:70003], k[3:70003], v[3:70003]
+    rows = slice(70000 - 128, 70000)
+    qb, kb, vb = (t.transpose(0, 1)[None] for t in (q1[rows], k1, v1))
+    ref, ref_lse = reference_attention(qb, kb, vb, causal=True, causal_offset=70000 - 128)
+    low = lowp_attention(qb, kb, vb, causal=True, causal_offset=70000 - 128)
+    check_close("out", out[3:70003][rows], ref[0].transpose(0, 1), low[0].transpose(0, 1))
+    run_forward(q[70003:], k[70003:], v[70003:], offsets([129], "cuda"), offsets([129], "cuda"), kw)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_varlen_seqused_and_outside_rows_cuda(request):
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.float16, [30, 10, 170], [50, 20, 190], 4, 2, 128,
+                                        {"causal": True}, used_k=[40, 0, 190])
+    run_forward(q, k, v, cu_q, cu_k, kw)
+    run_backward(q, k, v, cu_q, cu_k, kw)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_varlen_compile_and_graph_cuda(request):
+    from conftest import capture_graph
+
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, [100, 0, 257], [80, 5, 257], 4, 4, 64,
+                                        {"causal": True})
+    f = lambda q, k, v: flashcore.varlen_attention(q, k, v, cu_q, cu_k, 257, 257, is_causal=True)
+    eager = f(q, k, v)
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(f, fullgraph=True)(q, k, v), eager)
+    graph, static = capture_graph(lambda: f(q, k, v))
+    q.copy_(torch.randn_like(q))
+    static.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, f(q, k, v))
+    torch.library.opcheck(torch.ops.flashcore.varlen_fwd.default,
+                          (q, k, v, cu_q, cu_k, 257, 257, 0.125, True, -1, -1, 0.0, False, None, None, None))
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_varlen_bad_offsets_stay_in_bounds_cuda(request, family, monkeypatch):
+    """Offsets that lie (past the tensors, decreasing, longer than max_seqlen) must not make a kernel touch memory
+    outside its tensors (compute-sanitizer runs this test too); the validation mode reports them."""
+    g = make_generator(request, "cuda")
+    q, k, v = (torch.randn(100, 2, 64, generator=g, device="cuda").half().requires_grad_() for _ in range(3))
+    for cu in ([0, 150, 90], [50, 40, 100000], [-5, 100, 100], [0, 2**31 - 1, 7]):
+        cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        out = flashcore.varlen_attention(q, k, v, cu_t, cu_t, 64, 64, is_causal=True)
+        out.float().sum().backward()
+        torch.cuda.synchronize()
+    monkeypatch.setenv("FLASHCORE_CHECK_VARLEN", "1")
+    with pytest.raises(RuntimeError, match="cu_seqlens_q"):
+        flashcore.varlen_attention(q, k, v, torch.tensor([0, 150, 90], dtype=torch.int32, device="cuda"),
+                                   torch.tensor([0, 50, 90], dtype=torch.int32, device="cuda"), 150, 150)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", ["causal", "all"])
+def test_varlen_deterministic_backward_cuda(request, variant):
+    """deterministic=True: the per-sequence composite backward, accurate and bitwise reproducible."""
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, [5, 0, 300, 128, 1], [7, 3, 260, 400, 0],
+                                        4, 2, 64, VARIANTS[variant])
+    kw["deterministic"] = True
+    first = run_backward(q, k, v, cu_q, cu_k, kw)
+    assert flashcore.last_kernel("bwd") == "composite"
+    again = run_backward(q, k, v, cu_q, cu_k, kw)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
