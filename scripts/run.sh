@@ -21,7 +21,8 @@ if [ ! -x "$venv/bin/python" ]; then
   python3 -m venv "$venv"
 fi
 py="$venv/bin/python"
-deps=("torch==2.11.0" "setuptools>=64" wheel ninja pytest numpy matplotlib nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm)
+deps=("torch==2.11.0" "setuptools>=64" wheel ninja pytest numpy matplotlib nvidia-cuda-cuobjdump nvidia-cuda-nvdisasm
+      "transformers==5.24.0")
 stamp="$venv/.flashcore-deps"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "${deps[*]}" ]; then
   echo "[flashcore] installing dependencies into $venv" >&2

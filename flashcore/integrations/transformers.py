@@ -1,0 +1,283 @@
+"""flashcore as a Hugging Face transformers attention backend.
+
+    import flashcore.integrations.transformers as fct   # registers the backend on import (fct.register() again: no-op)
+
+    model = AutoModelForCausalLM.from_pretrained(..., attn_implementation="fcore")   # fct.NAME == "fcore"
+    model.set_attn_implementation("fcore")                                           # or switch an existing model
+
+Every attention layer of a model whose attention goes through transformers' ``AttentionInterface`` (Llama, Mistral,
+Qwen2/3, Gemma 2/3, GPT-OSS and most decoder models of transformers 5.x) then runs on flashcore.attention or
+flashcore.varlen_attention. Tested with transformers 5.24.
+
+The name is "fcore", not "flashcore": transformers 5.x treats any attn_implementation containing "flash" as a
+flash-attn flavour (``is_flash_attention_requested``: ``"flash" in name``) and, unless it is one of the
+``flash_attention_2/3/4`` packages installed locally, tries to load it as a kernel from the Hugging Face Hub
+(``lazy_import_flash_attention`` -> ``load_and_register_attn_kernel``), so ``from_config(..., attn_implementation=
+"flashcore")`` fails with "Could not find the currently requested flash attention implementation at `flashcore`".
+
+What transformers passes, and what this backend does with it (the semantics of the ``flash_attention_2`` backend,
+which it reproduces on flashcore's kernels; the results equal the ``eager``/``sdpa`` backends' up to rounding):
+
+* padding: the registered mask function (flash-attn's) hands the attention a 2-D (batch, kv_len) padding mask, or
+  None when nothing is padded. With a mask, q/k/v are unpadded into packed sequences, attention runs on
+  flashcore.varlen_attention and the output is padded back (padded query rows are zeros). Left and right padding.
+* KV cache (generation, Sq < Sk): causal masking and sliding windows are aligned bottom-right (query i of a sequence
+  with Sq queries and Sk keys sees keys j <= i + Sk - Sq), through the varlen op. Static caches work too: the mask
+  function then gives a mask of the keys written so far and the unwritten slots are not attended to.
+* packed sequences (padding-free training, ``DataCollatorWithFlattening``): the ``cu_seq_lens_q/k`` and
+  ``max_length_q/k`` kwargs when given; otherwise ``position_ids`` that restart (a step other than +1 starts a new
+  sequence, as transformers' masks read them) split each row into sequences. Either runs the varlen op.
+* ``sliding_window=w``: query i sees keys i - w + 1 .. i (flash-attn's window_size=(w - 1, w - 1), exactly as
+  transformers' flash_attention_2 converts it; w keys in all, transformers' mask convention).
+* ``softcap`` (Gemma 2), ``s_aux`` (GPT-OSS's attention sinks, differentiable), ``scaling``, GQA/MQA (k/v with fewer
+  heads, never repeated), ``is_causal`` (encoders / bidirectional attention), a value head dim smaller than the
+  query's (padded, output cropped).
+* ``dropout`` > 0 (a model in training mode with attention_dropout > 0) raises NotImplementedError: flashcore has no
+  attention dropout. Set ``config.attention_dropout = 0.0`` or use another backend.
+* dtypes: on CPU float32/float64/float16/bfloat16 run as they are. flashcore's CUDA kernels take float16/bfloat16
+  only: float32 CUDA inputs are cast to the autocast dtype under torch.autocast, or to the dtype of the layer's
+  weights when those are half precision (PEFT keeps norms in float32), as flash-attn's backend does, and the output
+  stays in that dtype; otherwise (a float32 model on CUDA) TypeError, asking for dtype=torch.bfloat16 or autocast.
+* not supported: 4-D (custom) attention masks (TypeError) and custom mask patterns transformers builds from
+  ``or_mask_function``/``and_mask_function`` (e.g. bidirectional image-token blocks): like flash-attn's backend,
+  this one sees only padding, causality and the sliding window, and warns once when such a pattern is dropped.
+  ``output_attentions`` returns None as weights. Paged attention / continuous batching is not wired up.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+    from transformers.utils import logging as _hf_logging
+except ImportError as e:  # pragma: no cover - exercised in a subprocess by the tests
+    raise ImportError(
+        "flashcore.integrations.transformers needs the `transformers` package (Hugging Face transformers >= 5.0); "
+        "install it with `pip install transformers`. Original error: " + str(e)
+    ) from e
+
+from ..ops import attention as _attention
+from ..ops import varlen_attention as _varlen_attention
+
+__all__ = ["NAME", "register", "attention_forward", "padding_mask"]
+
+NAME = "fcore"
+"""The attn_implementation name this module registers (see the module docstring for why it avoids "flash")."""
+
+logger = _hf_logging.get_logger(__name__)
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Mask function
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
+                 attention_mask=None, **kwargs):
+    """The mask function registered with AttentionMaskInterface: the 2-D (batch, kv_len) bool padding mask sliced to
+    the keys of this layer, or None when no key is padded (flash-attn's rule: causality and windows are applied by
+    the kernel). With a static cache and no padding, the mask of the keys written so far, so the unwritten slots of
+    the cache are never attended to."""
+    if kwargs.get("use_vmap"):  # or_/and_mask_function given: a pattern beyond padding + causal + window
+        logger.warning_once(
+            f"attn_implementation={NAME!r} (flashcore) applies only padding, causal and sliding-window masks; the "
+            "custom mask pattern this model builds (or_mask_function / and_mask_function) is ignored, as with "
+            "flash_attention_2. Use attn_implementation='sdpa' or 'eager' if the model needs it."
+        )
+    if attention_mask is not None:
+        # Slice from the right for sliding-window caches (a no-op for full attention).
+        attention_mask = attention_mask[:, -kv_length:]
+        if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+            attention_mask = None
+        return attention_mask
+    written = q_offset + q_length
+    # Causal masks only (create_bidirectional_mask, also used for cross-attention, passes allow_is_bidirectional_skip)
+    if kv_offset == 0 and "allow_is_bidirectional_skip" not in kwargs and not isinstance(kv_length, torch.Tensor):
+        written = int(written)  # a tensor for static caches
+        if written < kv_length:  # a static cache: kv_length is its capacity, the slots past `written` are empty
+            return torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
+    return None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Attention function
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
+    return F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
+
+
+def _target_dtype(query: torch.Tensor, module) -> torch.dtype:
+    """The half dtype a float32/float64 CUDA query runs in, as transformers' flash-attn backend picks it."""
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        if dtype in _HALF:
+            return dtype
+    weight = next((m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
+    if weight is not None and weight.dtype in _HALF:
+        return weight.dtype
+    raise TypeError(
+        f"attn_implementation={NAME!r}: flashcore's CUDA kernels take float16 or bfloat16; got a {query.dtype} "
+        "query on CUDA. Load the model with dtype=torch.bfloat16 (or float16), run it under "
+        "torch.autocast('cuda', dtype=torch.bfloat16), or use attn_implementation='sdpa' for float32 on GPU."
+    )
+
+
+def _packed_from_position_ids(position_ids, batch_size, seq_len):
+    """cu_seqlens (int32) and the longest length when position_ids (batch or 1, seq_len) restart inside a row
+    (packed sequences: a step other than +1 starts a new one, transformers' find_packed_sequence_indices), else
+    None. Reads the ids on the host (one sync), as flash-attn's backend does."""
+    if position_ids is None or not isinstance(position_ids, torch.Tensor) or seq_len <= 1:
+        return None
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.dim() != 2 or position_ids.shape[-1] != seq_len:
+        return None  # e.g. the 3-D multimodal rotary ids of Qwen2-VL: not a packing signal
+    position_ids = position_ids.expand(batch_size, seq_len)
+    starts = torch.ones_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    if not bool(starts[:, 1:].any()):
+        return None
+    starts = starts.flatten().nonzero().flatten().to(torch.int32)
+    total = torch.tensor([batch_size * seq_len], dtype=torch.int32, device=starts.device)
+    cu = torch.cat([starts, total])
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    is_causal: bool | None = None,
+    s_aux: torch.Tensor | None = None,
+    position_ids: torch.Tensor | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    cu_seq_lens_k: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    max_length_k: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The function registered with AttentionInterface. query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) as
+    transformers' attention modules pass them; returns (attn_output (B, Sq, Hq, Dv), None)."""
+    if kwargs.get("output_attentions", False):
+        logger.warning_once(f"attn_implementation={NAME!r} (flashcore) does not return attention weights "
+                            "(output_attentions=True); use attn_implementation='eager' for them.")
+    if dropout:
+        raise NotImplementedError(
+            f"attn_implementation={NAME!r}: attention dropout={dropout} is not supported (flashcore has no attention "
+            "dropout). Set config.attention_dropout=0.0, call model.eval(), or use attn_implementation='sdpa'."
+        )
+    if attention_mask is not None and attention_mask.dim() != 2:
+        raise TypeError(
+            f"attn_implementation={NAME!r}: got a {attention_mask.dim()}-D attention mask; flashcore takes 2-D "
+            "(batch, seq_len) padding masks only (its mask function builds those). Pass a 2-D attention_mask, or use "
+            "attn_implementation='sdpa'/'eager' for custom 4-D masks."
+        )
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    is_causal = bool(is_causal)
+
+    B, Hq, Sq, D = query.shape
+    Hkv, Sk, Dv = key.shape[1], key.shape[2], value.shape[-1]
+
+    if query.is_cuda and query.dtype not in _HALF:
+        target = _target_dtype(query, module)
+        query, key, value = query.to(target), key.to(target), value.to(target)
+    elif key.dtype != query.dtype or value.dtype != query.dtype:
+        key, value = key.to(query.dtype), value.to(query.dtype)
+    if Dv != D:  # e.g. MLA: pad V to the query head dim, crop the output
+        value = F.pad(value, (0, D - Dv))
+
+    window = None
+    if sliding_window is not None and 0 < sliding_window < Sk:  # a window of w keys, as transformers' masks
+        window = (sliding_window - 1, sliding_window - 1)
+    options = dict(is_causal=is_causal, scale=scaling, window_size=window, softcap=float(softcap or 0.0),
+                   sinks=None if s_aux is None else s_aux.float().contiguous())
+    varlen = dict(options)
+
+    # BSHD views; the varlen op takes (total, H, D) rows.
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+
+    if attention_mask is not None:
+        # Padding: unpad, attend per sequence (bottom-right aligned), pad back.
+        mask = attention_mask.to(device=query.device, dtype=torch.bool)
+        if mask.shape[1] < Sk:  # a static cache: keys beyond the mask were never written
+            k, v, Sk = k[:, : mask.shape[1]], v[:, : mask.shape[1]], mask.shape[1]
+        elif mask.shape[1] > Sk:
+            mask = mask[:, -Sk:]
+        lengths_k = mask.sum(dim=-1, dtype=torch.int32)
+        idx_k = mask.flatten().nonzero().flatten()
+        k_rows = k.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
+        v_rows = v.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
+        cu_k, max_k = _cu_seqlens(lengths_k), int(lengths_k.max())
+        if Sq == Sk:
+            idx_q, cu_q, max_q = idx_k, cu_k, max_k
+        elif Sq == 1:  # decoding: one query per sequence, its last position
+            idx_q = torch.arange(B, device=query.device)
+            cu_q, max_q = torch.arange(B + 1, dtype=torch.int32, device=query.device), 1
+        else:  # several new queries against a cache: they are the last Sq positions of the mask
+            mask_q = mask[:, -Sq:]
+            lengths_q = mask_q.sum(dim=-1, dtype=torch.int32)
+            idx_q = mask_q.flatten().nonzero().flatten()
+            cu_q, max_q = _cu_seqlens(lengths_q), int(lengths_q.max())
+        q_rows = q.reshape(B * Sq, Hq, D).index_select(0, idx_q)
+        out_rows = _varlen_attention(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, **varlen)
+        out = out_rows.new_zeros(B * Sq, Hq, D).index_copy(0, idx_q, out_rows).view(B, Sq, Hq, D)
+    elif all(x is not None for x in (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)):
+        # Padding-free batch with precomputed boundaries (DataCollatorWithFlattening(return_flash_attn_kwargs=True)).
+        cu_q = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
+        cu_k = cu_seq_lens_k.to(device=query.device, dtype=torch.int32)
+        out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
+                                cu_q, cu_k, int(max_length_q), int(max_length_k), **varlen).view(B, Sq, Hq, D)
+    elif Sq == Sk and (packed := _packed_from_position_ids(position_ids, B, Sq)) is not None:
+        # Padding-free batch described by restarting position_ids only.
+        cu, max_len = packed
+        out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
+                                cu, cu, max_len, max_len, **varlen).view(B, Sq, Hq, D)
+    elif Sq == Sk or (not is_causal and window is None):
+        # Dense: top-left and bottom-right alignment agree; BHSD views are read in place.
+        out = _attention(query, key, value, enable_gqa=Hq != Hkv, **options).transpose(1, 2)
+    else:
+        # Dense against a cache (Sq != Sk): every sequence has Sq queries and Sk keys, bottom-right aligned.
+        cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=query.device)
+        cu_k = torch.arange(0, (B + 1) * Sk, Sk, dtype=torch.int32, device=query.device)
+        out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
+                                cu_q, cu_k, Sq, Sk, **varlen).view(B, Sq, Hq, D)
+
+    if Dv != D:
+        out = out[..., :Dv]
+    return out, None
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Registration
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def register(name: str = NAME) -> str:
+    """Registers flashcore's attention and mask functions with transformers under `name` (idempotent); returns the
+    name, to pass as attn_implementation. Done on import with the default name."""
+    if "flash" in name or "/" in name or "sdpa" in name or name in ("eager", "flex_attention"):
+        raise ValueError(f"register: {name!r} is not usable: transformers treats names containing 'flash' or '/' as "
+                         "hub kernels and 'sdpa', 'eager', 'flex_attention' as its own backends")
+    if AttentionInterface._global_mapping.get(name) is not attention_forward:
+        AttentionInterface.register(name, attention_forward)
+    if AttentionMaskInterface._global_mapping.get(name) is not padding_mask:
+        AttentionMaskInterface.register(name, padding_mask)
+    return name
+
+
+register()

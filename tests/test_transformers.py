@@ -1,0 +1,403 @@
+"""The Hugging Face transformers backend (flashcore.integrations.transformers, attn_implementation="fcore").
+
+Tiny decoder models with random weights, built from configs (nothing is downloaded): Llama (GQA), Mistral (a sliding
+window shorter than the sequences), Gemma 2 (attention logit softcapping, sliding window on alternate layers, a
+non-default scaling) and GPT-OSS (attention sinks, sliding window on alternate layers, MoE). Each model under flashcore
+must give the logits of the same weights under transformers' own `eager` (and `sdpa` where it supports the model)
+backends, the same greedy generations from left-padded prompts (dynamic and static caches), and, in a padding-free
+training step (a flattened batch as DataCollatorWithFlattening makes it), the loss and gradients of the padded batch.
+CPU in float32; the GPU variants run in bfloat16.
+"""
+
+import copy
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import (AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM,
+                          DataCollatorWithFlattening, Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig)
+
+import flashcore.integrations.transformers as fct
+from conftest import cuda_skip_reason
+
+requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
+
+KINDS = ["llama", "mistral", "gemma2", "gpt_oss"]
+WINDOW = 8  # shorter than every sequence below, so the window changes the result
+
+# initializer_range 0.1 (not 0.02): attention weights far from uniform, so masks, windows, softcap and sinks matter.
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, pad_token_id=0,
+              bos_token_id=1, eos_token_id=None, attention_dropout=0.0)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """The models are tiny: threads only add synchronization (and slow down much on a loaded 2-core machine)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_config(kind, **overrides):
+    if kind == "llama":
+        return LlamaConfig(**{**COMMON, **overrides})
+    if kind == "mistral":  # MQA, every layer sliding
+        return MistralConfig(**{**COMMON, "num_key_value_heads": 1, "sliding_window": WINDOW, **overrides})
+    if kind == "gemma2":  # softcap 2 (scores reach ~5 here), scaling 1/sqrt(8) != 1/sqrt(head_dim)
+        return Gemma2Config(**{**COMMON, "head_dim": 16, "sliding_window": WINDOW, "attn_logit_softcapping": 2.0,
+                               "final_logit_softcapping": None, "query_pre_attn_scalar": 8, **overrides})
+    if kind == "gpt_oss":  # 4 tiny experts, 2 per token
+        return GptOssConfig(**{**COMMON, "intermediate_size": 32, "head_dim": 16, "sliding_window": WINDOW,
+                               "num_local_experts": 4, "num_experts_per_tok": 2, **overrides})
+    raise ValueError(kind)
+
+
+def build(kind, impl, seed=0, dtype=torch.float32, device="cpu", **overrides):
+    """A model of `kind` with seeded random weights (the same for every impl), in eval mode."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(make_config(kind, **overrides), attn_implementation=impl)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("sinks"):  # O(1) sinks (the init's 0.1 would hardly show)
+                p.normal_()
+    return model.to(device=device, dtype=dtype).eval()
+
+
+def pair(kind, ref_impl="eager", **kw):
+    return build(kind, ref_impl, **kw), build(kind, fct.NAME, **kw)
+
+
+def prompts(lengths, device="cpu", seed=1, side="left"):
+    """input_ids and attention_mask of prompts of these lengths, padded on `side` with pad id 0."""
+    g = torch.Generator().manual_seed(seed)
+    S = max(lengths)
+    ids = torch.zeros(len(lengths), S, dtype=torch.long)
+    mask = torch.zeros(len(lengths), S, dtype=torch.long)
+    for b, n in enumerate(lengths):
+        cols = slice(S - n, S) if side == "left" else slice(0, n)
+        ids[b, cols] = torch.randint(2, COMMON["vocab_size"], (n,), generator=g)
+        mask[b, cols] = 1
+    return ids.to(device), mask.to(device)
+
+
+def assert_logits_close(got, ref, where=None, rel=1e-4):
+    """float32: the largest difference at most `rel` of the logits' scale."""
+    if where is not None:
+        got, ref = got[where], ref[where]
+    err, scale = (got.float() - ref.float()).abs().max().item(), ref.float().abs().max().item()
+    assert err <= rel * scale, f"logits differ by {err:.3e} (scale {scale:.3e}, bound {rel * scale:.3e})"
+
+
+class CallCounter:
+    """Counts calls of the flashcore entry points the backend uses."""
+
+    def __init__(self, monkeypatch):
+        self.calls = 0
+        for name in ("_attention", "_varlen_attention"):
+            fn = getattr(fct, name)
+            monkeypatch.setattr(fct, name, self._wrap(fn))
+
+    def _wrap(self, fn):
+        def wrapped(*args, **kwargs):
+            self.calls += 1
+            return fn(*args, **kwargs)
+        return wrapped
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registration and import
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_register_is_idempotent():
+    assert fct.register() == fct.NAME == "fcore"
+    assert fct.register() == fct.NAME
+    assert AttentionInterface._global_mapping[fct.NAME] is fct.attention_forward
+    assert AttentionMaskInterface._global_mapping[fct.NAME] is fct.padding_mask
+    # transformers 5 loads any name containing "flash" as a flash-attn kernel from the Hub: refused up front.
+    with pytest.raises(ValueError, match="flash"):
+        fct.register("flashcore")
+
+
+def test_import_is_optional():
+    """`import flashcore` never imports transformers; without transformers the integration names the package."""
+    script = (
+        "import sys\n"
+        "import flashcore, flashcore.integrations\n"
+        "assert 'transformers' not in sys.modules, 'import flashcore imported transformers'\n"
+        "sys.modules['transformers'] = None  # as if not installed\n"
+        "try:\n"
+        "    import flashcore.integrations.transformers\n"
+        "except ImportError as e:\n"
+        "    assert '`transformers`' in str(e) and 'pip install transformers' in str(e), str(e)\n"
+        "else:\n"
+        "    raise AssertionError('no ImportError without transformers')\n"
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+
+
+def test_from_config_and_set_attn_implementation(monkeypatch):
+    """Both ways of selecting the backend run every attention layer through flashcore, with the same results."""
+    counter = CallCounter(monkeypatch)
+    ids, mask = prompts([13, 9], side="right")
+    direct = build("llama", fct.NAME)
+    assert direct.config._attn_implementation == fct.NAME
+    switched = build("llama", "eager")
+    with torch.no_grad():
+        ref = switched(ids, attention_mask=mask).logits
+    assert counter.calls == 0
+    switched.set_attn_implementation(fct.NAME)
+    assert switched.config._attn_implementation == fct.NAME
+    for model in (direct, switched):
+        counter.calls = 0
+        with torch.no_grad():
+            got = model(ids, attention_mask=mask).logits
+        assert counter.calls == COMMON["num_hidden_layers"]
+        assert_logits_close(got, ref, where=mask.bool())
+
+
+@pytest.mark.parametrize("is_causal", [True, False])
+@pytest.mark.parametrize("v_dim", [16, 8])
+def test_attention_forward_direct(is_causal, v_dim):
+    """The registered function alone, as a model calls it: GQA, a value head dim below the query's (MLA), causal or
+    bidirectional; the output layout (B, S, H, Dv) of transformers' sdpa backend."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    module = torch.nn.Module()
+    module.is_causal, module.num_key_value_groups = is_causal, 2
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 4, 9, 16, generator=g)
+    k = torch.randn(2, 2, 9, 16, generator=g)
+    v = torch.randn(2, 2, 9, v_dim, generator=g)
+    out, weights = fct.attention_forward(module, q, k, v, None, scaling=0.3)
+    want, _ = sdpa_attention_forward(module, q, k, v, None, scaling=0.3)
+    assert weights is None and out.shape == (2, 9, 4, v_dim)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+
+
+def test_dropout_raises():
+    model = build("llama", fct.NAME, attention_dropout=0.1).train()
+    ids, _ = prompts([8, 8])
+    with pytest.raises(NotImplementedError, match="dropout"):
+        model(ids, use_cache=False)
+    model.eval()  # transformers passes dropout only in training: fine in eval mode
+    with torch.no_grad():
+        model(ids)
+
+
+def test_4d_mask_raises():
+    model = build("llama", fct.NAME)
+    ids, _ = prompts([6, 6])
+    mask4d = torch.ones(2, 1, 6, 6, dtype=torch.bool).tril()
+    with pytest.raises(TypeError, match="2-D"), torch.no_grad():
+        model(ids, attention_mask=mask4d)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Forward: logits against transformers' own backends
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,ref_impl", [("llama", "eager"), ("llama", "sdpa"), ("mistral", "eager"),
+                                           ("mistral", "sdpa"), ("gemma2", "eager"), ("gpt_oss", "eager")])
+@pytest.mark.parametrize("padding", ["none", "left", "right"])
+def test_logits(kind, ref_impl, padding):
+    ref, model = pair(kind, ref_impl)
+    ids, mask = prompts([21, 21] if padding == "none" else [21, 12], side="left" if padding == "none" else padding)
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask).logits
+    assert_logits_close(got, want, where=mask.bool())
+
+
+@pytest.mark.parametrize("kind,change", [("mistral", {"sliding_window": None}), ("gemma2", {"sliding_window": 4096}),
+                                         ("gemma2", {"attn_logit_softcapping": None}), ("gpt_oss", "sinks"),
+                                         ("gpt_oss", {"sliding_window": 4096})])
+def test_variant_matters(kind, change):
+    """Each variant changes the logits (far beyond the tolerance), and flashcore follows the change like eager does:
+    the window, the softcap and the sinks are really applied, not just accepted."""
+    ids, mask = prompts([24, 17])
+    base = build(kind, fct.NAME)
+    if change == "sinks":
+        ref, other = build(kind, "eager"), build(kind, fct.NAME)
+        for m in (ref, other):
+            with torch.no_grad():
+                for layer in m.model.layers:
+                    layer.self_attn.sinks.add_(3.0)
+    else:
+        ref, other = pair(kind, **change)
+    with torch.no_grad():
+        a = base(ids, attention_mask=mask).logits
+        b = other(ids, attention_mask=mask).logits
+        want = ref(ids, attention_mask=mask).logits
+    valid = mask.bool()
+    diff = (a - b)[valid].abs().max().item()
+    assert diff > 1e-2 * a.abs().max().item(), f"{change} changed the logits by only {diff:.3e}"
+    assert_logits_close(b, want, where=valid)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# KV cache: generation and chunked prefill (queries fewer than keys: bottom-right alignment)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("lengths", [[11, 19], [15, 15]], ids=["left-padded", "unpadded"])
+def test_generate(kind, cache, lengths):
+    """Greedy generation of 32 tokens from left-padded prompts of different lengths (or unpadded ones), the cache
+    outgrowing the sliding window: the same tokens as eager."""
+    ref, model = pair(kind)
+    ids, mask = prompts(lengths)
+    kw = dict(attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False,
+              cache_implementation=None if cache == "dynamic" else "static")
+    with torch.no_grad():
+        want = ref.generate(ids, **kw)
+        got = model.generate(ids, **kw)
+    assert got.shape == (2, max(lengths) + 32)
+    assert torch.equal(got, want), f"generations differ at {(got != want).nonzero().tolist()[:8]}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("padded", [False, True])
+def test_cache_chunks(kind, padded):
+    """Prefill in chunks of 10, 7 and 1 tokens through a dynamic cache: the logits of eager, chunk by chunk."""
+    ref, model = pair(kind)
+    ids, mask = prompts([18, 11] if padded else [18, 18])
+    logits = {}
+    for name, m in (("ref", ref), ("fcore", model)):
+        cache, out = None, []
+        with torch.no_grad():
+            for lo, hi in ((0, 10), (10, 17), (17, 18)):
+                res = m(ids[:, lo:hi], attention_mask=mask[:, :hi], cache=cache, use_cache=True)
+                cache = res.past_key_values
+                out.append(res.logits)
+        logits[name] = torch.cat(out, dim=1)
+    assert_logits_close(logits["fcore"], logits["ref"], where=mask.bool())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Padding-free training (DataCollatorWithFlattening) against the padded batch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def training_step(model, batch):
+    model.zero_grad(set_to_none=True)
+    loss = model(**batch, use_cache=False).loss
+    loss.backward()
+    return loss.detach(), {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("boundaries", ["position_ids", "cu_seq_lens"])
+def test_padding_free_training(kind, boundaries, monkeypatch):
+    """A flattened batch (position_ids restarting per sequence; or also the cu_seq_lens_q/k and max_length_q/k
+    kwargs) under flashcore gives the loss and gradients of the right-padded batch (labels -100 on padding) under
+    eager, and of the padded batch under flashcore."""
+    lengths = [12, 5, 16]  # longer and shorter than the window
+    ids, mask = prompts(lengths, side="right", seed=3)
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    collator = DataCollatorWithFlattening(return_flash_attn_kwargs=boundaries == "cu_seq_lens", return_tensors="pt")
+    flat = collator([{"input_ids": ids[b, : n].tolist()} for b, n in enumerate(lengths)])
+    assert flat["input_ids"].shape == (1, sum(lengths))
+    assert ("cu_seq_lens_q" in flat) == (boundaries == "cu_seq_lens")
+    if boundaries == "cu_seq_lens":  # the given boundaries are used, not inferred again from position_ids
+        def unused(*args):
+            raise AssertionError("position_ids were read although cu_seq_lens_q/k were given")
+        monkeypatch.setattr(fct, "_packed_from_position_ids", unused)
+
+    ref, model = pair(kind)
+    ref.train()
+    model.train()
+    want_loss, want_grads = training_step(ref, padded)
+    for batch in (flat, padded):
+        loss, grads = training_step(model, batch)
+        torch.testing.assert_close(loss, want_loss, rtol=1e-5, atol=0)
+        assert grads.keys() == want_grads.keys()
+        scale = max(g.abs().max().item() for g in want_grads.values())
+        for name, g in grads.items():
+            err = (g - want_grads[name]).abs().max().item()
+            assert err <= 1e-4 * scale, f"{name}: gradient differs by {err:.3e} (largest gradient {scale:.3e})"
+    if kind == "gpt_oss":  # the sinks are learned through flashcore's backward
+        assert any(n.endswith("sinks") for n in grads)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU (bfloat16): errors against float32 eager at most a few times eager's own bfloat16 error
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def assert_within_eager_error(got, lowp, ref32, where=None, factor=3.0, floor=2.0**-8):
+    """bfloat16: flashcore's error against the float32 reference at most `factor` x eager's own bfloat16 error, plus
+    `floor` of the reference's scale."""
+    if where is not None:
+        got, lowp, ref32 = got[where], lowp[where], ref32[where]
+    got, lowp, ref32 = got.float(), lowp.float(), ref32.float()
+    err, own = (got - ref32).abs().max().item(), (lowp - ref32).abs().max().item()
+    bound = factor * own + floor * ref32.abs().max().item()
+    assert err <= bound, f"error {err:.3e} > bound {bound:.3e} (eager bfloat16's own error {own:.3e})"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_logits_and_generate(kind):
+    ids, mask = prompts([21, 12], device="cuda")
+    ref32 = build(kind, "eager", device="cuda")
+    lowp = build(kind, "eager", dtype=torch.bfloat16, device="cuda")
+    model = build(kind, fct.NAME, dtype=torch.bfloat16, device="cuda")
+    with torch.no_grad():
+        want32 = ref32(ids, attention_mask=mask).logits
+        own = lowp(ids, attention_mask=mask).logits
+        got = model(ids, attention_mask=mask).logits
+        assert got.dtype == torch.bfloat16
+        assert_within_eager_error(got, own, want32, where=mask.bool())
+        gen = model.generate(ids, attention_mask=mask, max_new_tokens=32, min_new_tokens=32, do_sample=False)
+    assert gen.shape == (2, 21 + 32)
+    assert torch.equal(gen[:, :21], ids)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("kind", KINDS)
+def test_gpu_padding_free_training(kind):
+    lengths = [12, 5, 16]
+    ids, mask = prompts(lengths, side="right", seed=3, device="cuda")
+    padded = dict(input_ids=ids, attention_mask=mask, labels=ids.masked_fill(mask == 0, -100))
+    flat = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(
+        [{"input_ids": ids[b, : n].tolist()} for b, n in enumerate(lengths)])
+    flat = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+    ref32 = build(kind, "eager", device="cuda").train()
+    lowp = build(kind, "eager", dtype=torch.bfloat16, device="cuda").train()
+    model = build(kind, fct.NAME, dtype=torch.bfloat16, device="cuda").train()
+    loss32, grads32 = training_step(ref32, padded)
+    own_loss, own_grads = training_step(lowp, padded)
+    loss, grads = training_step(model, flat)
+    assert_within_eager_error(loss, own_loss, loss32)
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.self_attn.k_proj.weight",
+                 "model.embed_tokens.weight"):
+        assert_within_eager_error(grads[name], own_grads[name], grads32[name], factor=4.0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gpu_float32_model():
+    """flashcore's CUDA kernels take half precision: a float32 model raises a clear TypeError, and runs under
+    autocast (in the autocast dtype)."""
+    model = build("llama", fct.NAME, device="cuda")
+    ids, mask = prompts([9, 6], device="cuda")
+    with pytest.raises(TypeError, match="bfloat16"), torch.no_grad():
+        model(ids, attention_mask=mask)
+    ref = build("llama", "eager", device="cuda")
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        got = model(ids, attention_mask=mask).logits
+    with torch.no_grad():
+        want = ref(ids, attention_mask=mask).logits
+    err = (got.float() - want).abs()[mask.bool()].max().item()
+    assert err <= 0.05 * want.abs().max().item(), f"autocast logits differ by {err:.3e}"
