@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 import flashcore
+from bench import time_events  # CUDA-event timing of one call at a time (benchmarks/bench.py)
 
 DEFAULT_LENS = [128, 256, 512, 1024, 1536, 1536, 2048, 2560, 3072, 4608, 4608, 5120, 6144, 7168, 7168, 8192]
 
@@ -32,17 +33,6 @@ def try_fa4():
         return flash_attn_varlen_func
     except Exception as e:  # not installed here
         return f"FA4 unavailable ({type(e).__name__})"
-
-
-def time_ms(step, iters):
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        s.record()
-        step()
-        e.record()
-    torch.cuda.synchronize()
-    return [s.elapsed_time(e) for s, e in zip(starts, ends)]
 
 
 def main():
@@ -139,7 +129,7 @@ def main():
             for name, s in steps.items():
                 if results[name][mode] is None:
                     continue
-                results[name][mode].extend(time_ms(s, args.iters))
+                results[name][mode].extend(time_events(s, args.iters))
 
     print(f"{B} sequences, {total} tokens (max {max_len}), H={H}/{Hkv}, D={D}, {args.dtype}, causal={causal}; "
           f"{torch.cuda.get_device_name()}")

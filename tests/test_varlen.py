@@ -302,7 +302,7 @@ GPU_DIMS = [64, 128, 96, 256]
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("head_dim", GPU_DIMS)
+@pytest.mark.parametrize("head_dim", GPU_DIMS + [32, 192])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_varlen_forward_cuda(request, family, variant, head_dim, dtype):
     lens_q, lens_k = [5, 0, 300, 128, 1, 77, 513], [7, 3, 260, 700, 0, 77, 513]
@@ -393,8 +393,12 @@ def test_varlen_compile_and_graph_cuda(request):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, f(q, k, v))
-    torch.library.opcheck(torch.ops.flashcore.varlen_fwd.default,
-                          (q, k, v, cu_q, cu_k, 257, 257, 0.125, True, -1, -1, 0.0, False, None, None, None))
+    args = (q, k, v, cu_q, cu_k, 257, 257, 0.125, True, -1, -1, 0.0, False, None, None, None)
+    torch.library.opcheck(torch.ops.flashcore.varlen_fwd.default, args)
+    out, lse = torch.ops.flashcore.varlen_fwd(*args)
+    torch.library.opcheck(torch.ops.flashcore.varlen_bwd.default,
+                          (torch.randn_like(out), q, k, v, out, lse, cu_q, cu_k, 257, 257, 0.125, True, -1, -1, 0.0,
+                           False, None, None))
 
 
 @pytest.mark.gpu
@@ -428,3 +432,19 @@ def test_varlen_deterministic_backward_cuda(request, variant):
     again = run_backward(q, k, v, cu_q, cu_k, kw)
     for a, b in zip(first, again):
         assert torch.equal(a, b)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_flash_attn_varlen_func_any_head_dim_cuda(request):
+    """flash-attn pads any head dim up to 256 itself: 100 runs (padded to 104 here), forward and backward."""
+    from flashcore.flash_attn_interface import flash_attn_varlen_func
+
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, [70, 0, 130], [90, 4, 130], 4, 2, 100,
+                                        {"causal": True})
+    out, lse, _ = flash_attn_varlen_func(q, k, v, cu_q, cu_k, 130, 130, causal=True, return_attn_probs=True)
+    assert out.shape == q.shape and lse.shape == (4, q.size(0))
+    ref, _ = per_sequence(reference_attention, q, k, v, cu_q, cu_k, kw)
+    low, _ = per_sequence(lowp_attention, q, k, v, cu_q, cu_k, kw)
+    check_close("out", out, ref, low)
+    run_backward(q, k, v, cu_q, cu_k, kw)

@@ -62,6 +62,37 @@ std::optional<at::Tensor> optional_of(const at::Tensor& t) {
   return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
 }
 
+// The options travel from forward to backward in the node's saved_data.
+void save_options(AutogradContext* ctx, const CallOptions& o) {
+  ctx->saved_data["scale"] = o.scale;
+  ctx->saved_data["causal"] = o.causal;
+  ctx->saved_data["bottom_right"] = o.bottom_right;
+  ctx->saved_data["window_left"] = o.window_left;
+  ctx->saved_data["window_right"] = o.window_right;
+  ctx->saved_data["softcap"] = o.softcap;
+  ctx->saved_data["deterministic"] = o.deterministic;
+}
+
+CallOptions saved_options(AutogradContext* ctx) {
+  return CallOptions{ctx->saved_data["scale"].toDouble(),       ctx->saved_data["causal"].toBool(),
+                     ctx->saved_data["bottom_right"].toBool(),  ctx->saved_data["window_left"].toInt(),
+                     ctx->saved_data["window_right"].toInt(),   ctx->saved_data["softcap"].toDouble(),
+                     ctx->saved_data["deterministic"].toBool()};
+}
+
+// out's incoming gradient as the kernels take it: zeros when only lse was used, a contiguous last dim otherwise
+// (e.g. the expanded, zero-stride gradient of out.sum()).
+at::Tensor grad_for_kernels(const at::Tensor& grad, const at::Tensor& out) {
+  if (!grad.defined()) return at::zeros_like(out);
+  return grad.stride(-1) != 1 ? grad.contiguous() : grad;
+}
+
+// The bitwise-reproducible backward: asked for by the call (deterministic=True) or globally by
+// torch.use_deterministic_algorithms(True) when the backward runs.
+bool backward_deterministic(const CallOptions& o) {
+  return o.deterministic || at::globalContext().deterministicAlgorithms();
+}
+
 class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
  public:
   // Only q, k, v and sinks are differentiable (ALiBi slopes are constants, as in flash-attn).
@@ -74,13 +105,7 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const CallOptions o{scale, causal, bottom_right, window_left, window_right, softcap, deterministic};
     auto [out, lse] = call_fwd(q, k, v, o, sinks, alibi);
     ctx->save_for_backward({q, k, v, out, lse, sinks.value_or(at::Tensor()), alibi.value_or(at::Tensor())});
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["bottom_right"] = bottom_right;
-    ctx->saved_data["window_left"] = window_left;
-    ctx->saved_data["window_right"] = window_right;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["deterministic"] = deterministic;
+    save_options(ctx, o);
     ctx->mark_non_differentiable({lse});
     return {out, lse};
   }
@@ -88,20 +113,10 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &out = saved[3], &lse = saved[4], &sinks = saved[5], &alibi = saved[6];
-    at::Tensor dout = grads[0];
-    if (!dout.defined()) {
-      dout = at::zeros_like(out);  // only lse was used: out's gradient is zero
-    } else if (dout.stride(-1) != 1) {
-      dout = dout.contiguous();  // e.g. the expanded (zero-stride) gradient of out.sum()
-    }
-    const CallOptions o{ctx->saved_data["scale"].toDouble(),       ctx->saved_data["causal"].toBool(),
-                        ctx->saved_data["bottom_right"].toBool(),  ctx->saved_data["window_left"].toInt(),
-                        ctx->saved_data["window_right"].toInt(),   ctx->saved_data["softcap"].toDouble(),
-                        ctx->saved_data["deterministic"].toBool()};
-    // The bitwise-reproducible backward: asked for by the call (deterministic=True) or globally by
-    // torch.use_deterministic_algorithms(True) when the backward runs.
-    const bool deterministic = o.deterministic || at::globalContext().deterministicAlgorithms();
-    auto [dq, dk, dv] = call_bwd(dout, saved[0], saved[1], saved[2], out, lse, o, deterministic, optional_of(alibi));
+    const at::Tensor dout = grad_for_kernels(grads[0], out);
+    const CallOptions o = saved_options(ctx);
+    auto [dq, dk, dv] =
+        call_bwd(dout, saved[0], saved[1], saved[2], out, lse, o, backward_deterministic(o), optional_of(alibi));
     // d out_i / d sink = -p_sink,i out_i with p_sink,i = exp(sink - lse_i), so
     // d loss / d sink_h = -sum over (b, i) of p_sink * rowsum(dout * out). A row with lse = -inf (no key, sink
     // -inf) contributes 0 (exp(nan) -> 0).
@@ -189,12 +204,7 @@ class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttention
     auto [out, lse] = call_varlen_fwd(q, k, v, cu_q, cu_k, vs, o, sinks, alibi, seqused_k);
     ctx->save_for_backward({q, k, v, out, lse, sinks.value_or(at::Tensor()), alibi.value_or(at::Tensor()), cu_q,
                             cu_k, seqused_k.value_or(at::Tensor())});
-    ctx->saved_data["scale"] = scale;
-    ctx->saved_data["causal"] = causal;
-    ctx->saved_data["window_left"] = window_left;
-    ctx->saved_data["window_right"] = window_right;
-    ctx->saved_data["softcap"] = softcap;
-    ctx->saved_data["deterministic"] = deterministic;
+    save_options(ctx, o);
     ctx->saved_data["max_seqlen_q"] = max_seqlen_q;
     ctx->saved_data["max_seqlen_k"] = max_seqlen_k;
     ctx->mark_non_differentiable({lse});
@@ -204,19 +214,11 @@ class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttention
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
     const variable_list saved = ctx->get_saved_variables();
     const at::Tensor &out = saved[3], &lse = saved[4], &sinks = saved[5], &alibi = saved[6];
-    at::Tensor dout = grads[0];
-    if (!dout.defined()) {
-      dout = at::zeros_like(out);
-    } else if (dout.stride(-1) != 1) {
-      dout = dout.contiguous();
-    }
-    const CallOptions o{ctx->saved_data["scale"].toDouble(),     ctx->saved_data["causal"].toBool(), true,
-                        ctx->saved_data["window_left"].toInt(),  ctx->saved_data["window_right"].toInt(),
-                        ctx->saved_data["softcap"].toDouble(),   ctx->saved_data["deterministic"].toBool()};
+    const at::Tensor dout = grad_for_kernels(grads[0], out);
+    const CallOptions o = saved_options(ctx);
     const VarlenShape vs{ctx->saved_data["max_seqlen_q"].toInt(), ctx->saved_data["max_seqlen_k"].toInt()};
-    const bool deterministic = o.deterministic || at::globalContext().deterministicAlgorithms();
     auto [dq, dk, dv] = call_varlen_bwd(dout, saved[0], saved[1], saved[2], out, lse, saved[7], saved[8], vs, o,
-                                        deterministic, optional_of(alibi), optional_of(saved[9]));
+                                        backward_deterministic(o), optional_of(alibi), optional_of(saved[9]));
     at::Tensor dsinks;
     if (sinks.defined() && ctx->needs_input_grad(3)) dsinks = varlen_sinks_grad(sinks, dout, out, lse);
     variable_list grads_in(16);

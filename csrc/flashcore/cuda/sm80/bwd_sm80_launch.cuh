@@ -27,10 +27,11 @@ constexpr int bwd_block_m() {
   return BwdKernelTraits<kHeadDim, Element>::kBlockM;
 }
 
-template <int kHeadDim, typename Element, bool kScoreMod>
+// kVarlen: a variable-length batch (seqlen.h), p.seqlen_k being max_seqlen_k.
+template <int kHeadDim, typename Element, bool kScoreMod, bool kVarlen = false>
 void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
   using Traits = BwdKernelTraits<kHeadDim, Element>;
-  auto kernel = &bwd_sm80_kernel<Traits, kScoreMod>;
+  auto kernel = &bwd_sm80_kernel<Traits, kScoreMod, kVarlen>;
   constexpr int kSmem = Traits::kSmemBytes;
 
   static std::atomic<uint64_t> configured_devices{0};
@@ -46,15 +47,7 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
 // variant. dsum: (heads_q, total_q); dq_accum: (heads_q, total_q, kHeadDim), zeroed.
 template <int kHeadDim, typename Element>
 void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
-  using Traits = BwdKernelTraits<kHeadDim, Element>;
-  auto kernel = &bwd_sm80_kernel<Traits, /*kScoreMod=*/true, /*kVarlen=*/true>;
-  constexpr int kSmem = Traits::kSmemBytes;
-  static std::atomic<uint64_t> configured_devices{0};
-  cuda::set_max_dynamic_smem_once(kernel, kSmem, configured_devices);
-  const int num_n_blocks = (int)((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
-  const int64_t grid = (int64_t)num_n_blocks * p.batch * p.heads_kv;  // host checked grid <= INT32_MAX
-  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, dsum, dq_accum, num_n_blocks);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_bwd<kHeadDim, Element, /*kScoreMod=*/true, /*kVarlen=*/true>(p, dsum, dq_accum, stream);
 }
 
 }  // namespace flashcore::sm80

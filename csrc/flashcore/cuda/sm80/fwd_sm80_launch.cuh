@@ -15,10 +15,11 @@
 
 namespace flashcore::sm80 {
 
-template <int kHeadDim, typename Element, bool kScoreMod, int kBlockM, int kBlockN>
+// kVarlen: a variable-length batch (seqlen.h), p.seqlen_q being max_seqlen_q.
+template <int kHeadDim, typename Element, bool kScoreMod, int kBlockM, int kBlockN, bool kVarlen = false>
 void launch_fwd_tile(const FwdParams& p, cudaStream_t stream) {
   using Traits = FwdKernelTraits<kHeadDim, Element, kBlockM, kBlockN>;
-  auto kernel = &fwd_sm80_kernel<Traits, kScoreMod>;
+  auto kernel = &fwd_sm80_kernel<Traits, kScoreMod, kVarlen>;
   constexpr int kSmem = Traits::kSmemBytes;
 
   static std::atomic<uint64_t> configured_devices{0};
@@ -35,15 +36,7 @@ void launch_fwd_tile(const FwdParams& p, cudaStream_t stream) {
 template <int kHeadDim, typename Element>
 void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   using Config = FwdConfig<kHeadDim>;
-  using Traits = FwdKernelTraits<kHeadDim, Element, Config::kBlockM, Config::kBlockN>;
-  auto kernel = &fwd_sm80_kernel<Traits, /*kScoreMod=*/true, /*kVarlen=*/true>;
-  constexpr int kSmem = Traits::kSmemBytes;
-  static std::atomic<uint64_t> configured_devices{0};
-  cuda::set_max_dynamic_smem_once(kernel, kSmem, configured_devices);
-  const int num_m_blocks = (int)((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
-  const int64_t grid = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked grid <= INT32_MAX
-  static cuda::PdlSupport pdl;
-  cuda::launch_kernel(kernel, pdl, dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream, 1, p, num_m_blocks);
+  launch_fwd_tile<kHeadDim, Element, /*kScoreMod=*/true, Config::kBlockM, Config::kBlockN, /*kVarlen=*/true>(p, stream);
 }
 
 // A grid of kBlockM-row blocks that leaves multiprocessors idle runs the small-grid tile instead. kScoreMod: the
