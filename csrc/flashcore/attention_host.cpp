@@ -403,7 +403,9 @@ std::tuple<at::Tensor, at::Tensor> alloc_varlen_fwd_outputs(const at::Tensor& qu
 std::tuple<at::Tensor, at::Tensor, at::Tensor> alloc_varlen_bwd_outputs(const at::Tensor& query,
                                                                         const at::Tensor& key,
                                                                         const at::Tensor& value) {
-  return {at::zeros_like(query), at::zeros_like(key), at::zeros_like(value)};
+  at::Tensor grad_query = at::empty_like(query);
+  poison_if_enabled({grad_query});
+  return {grad_query, at::zeros_like(key), at::zeros_like(value)};
 }
 
 bool varlen_fwd_is_trivial(const FwdParams& p, at::Tensor& out) {

@@ -87,6 +87,22 @@ at::Tensor grad_for_kernels(const at::Tensor& grad, const at::Tensor& out) {
   return grad.stride(-1) != 1 ? grad.contiguous() : grad;
 }
 
+// d out_i / d sink = -p_sink,i out_i with p_sink,i = exp(sink - lse_i), so
+// d loss / d sink_h = -sum over the rows of head h of p_sink * rowsum(dout * out). Only rows with a finite lse count:
+// a row that saw no key and no sink has lse = -inf, and rows outside every sequence of a varlen batch have lse = -inf
+// and an unspecified out (torch.where keeps both out of the sum, NaN included).
+// Dense: out/dout (B, Hq, Sq, D), lse (B, Hq, Sq). Packed (varlen): out/dout (total_q, Hq, D), lse (Hq, total_q).
+at::Tensor sinks_grad(const at::Tensor& sinks, const at::Tensor& dout, const at::Tensor& out, const at::Tensor& lse,
+                      bool packed) {
+  const auto dt = lse.scalar_type();
+  at::Tensor rowsum = (dout.to(dt) * out.to(dt)).sum(-1);
+  if (packed) rowsum = rowsum.t();  // (Hq, total_q), lse's layout
+  const at::Tensor sink = packed ? sinks.view({-1, 1}) : sinks.view({1, -1, 1});
+  const at::Tensor terms = (sink.to(dt) - lse).exp() * rowsum;
+  const at::Tensor kept = at::where(at::isfinite(lse), terms, at::zeros_like(terms));
+  return -kept.sum(packed ? at::IntArrayRef{1} : at::IntArrayRef{0, 2}).to(sinks.scalar_type());
+}
+
 // The bitwise-reproducible backward: asked for by the call (deterministic=True) or globally by
 // torch.use_deterministic_algorithms(True) when the backward runs.
 bool backward_deterministic(const CallOptions& o) {
@@ -117,15 +133,8 @@ class AttentionFunction : public torch::autograd::Function<AttentionFunction> {
     const CallOptions o = saved_options(ctx);
     auto [dq, dk, dv] =
         call_bwd(dout, saved[0], saved[1], saved[2], out, lse, o, backward_deterministic(o), optional_of(alibi));
-    // d out_i / d sink = -p_sink,i out_i with p_sink,i = exp(sink - lse_i), so
-    // d loss / d sink_h = -sum over (b, i) of p_sink * rowsum(dout * out). A row with lse = -inf (no key, sink
-    // -inf) contributes 0 (exp(nan) -> 0).
     at::Tensor dsinks;
-    if (sinks.defined() && ctx->needs_input_grad(3)) {
-      const at::Tensor rowsum = (dout.to(lse.scalar_type()) * out.to(lse.scalar_type())).sum(-1);  // (B, Hq, Sq)
-      const at::Tensor p_sink = (sinks.view({1, -1, 1}) - lse).exp_().nan_to_num_(0.0);
-      dsinks = -(p_sink * rowsum).sum(at::IntArrayRef{0, 2}).to(sinks.scalar_type());
-    }
+    if (sinks.defined() && ctx->needs_input_grad(3)) dsinks = sinks_grad(sinks, dout, out, lse, /*packed=*/false);
     return {dq, dk, dv, dsinks, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor(),
             at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -180,17 +189,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> call_varlen_bwd(
                  o.window_left, o.window_right, o.softcap, deterministic, alibi, seqused_k);
 }
 
-// d loss / d sink_h = -sum over rows of exp(sink_h - lse) * rowsum(dout * out), over rows with a finite lse (rows
-// outside every sequence have lse = -inf and an unspecified out: torch.where keeps them out of the sum).
-// out/dout: (total_q, Hq, D); lse: (Hq, total_q).
-at::Tensor varlen_sinks_grad(const at::Tensor& sinks, const at::Tensor& dout, const at::Tensor& out,
-                             const at::Tensor& lse) {
-  const at::Tensor rowsum = (dout.to(lse.scalar_type()) * out.to(lse.scalar_type())).sum(-1).t();  // (Hq, total_q)
-  const at::Tensor terms = (sinks.view({-1, 1}).to(lse.scalar_type()) - lse).exp() * rowsum;
-  const at::Tensor kept = at::where(at::isfinite(lse), terms, at::zeros_like(terms));
-  return -kept.sum(1).to(sinks.scalar_type());
-}
-
 class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttentionFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -220,7 +218,7 @@ class VarlenAttentionFunction : public torch::autograd::Function<VarlenAttention
     auto [dq, dk, dv] = call_varlen_bwd(dout, saved[0], saved[1], saved[2], out, lse, saved[7], saved[8], vs, o,
                                         backward_deterministic(o), optional_of(alibi), optional_of(saved[9]));
     at::Tensor dsinks;
-    if (sinks.defined() && ctx->needs_input_grad(3)) dsinks = varlen_sinks_grad(sinks, dout, out, lse);
+    if (sinks.defined() && ctx->needs_input_grad(3)) dsinks = sinks_grad(sinks, dout, out, lse, /*packed=*/true);
     variable_list grads_in(16);
     grads_in[0] = dq;
     grads_in[1] = dk;

@@ -81,7 +81,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   const VarlenArgs args = make_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k);
   check_varlen_bwd_inputs(grad_out, query, key, value, out, lse, args, opts, kCpuLimits);
   auto [grad_query, grad_key, grad_value] = alloc_varlen_bwd_outputs(query, key, value);
-  if (query.numel() == 0 || key.numel() == 0 || args.batch() == 0) return {grad_query, grad_key, grad_value};
+  if (query.numel() == 0 || key.numel() == 0 || args.batch() == 0) {
+    grad_query.zero_();  // the kernel, which writes every row of grad_query, does not run
+    return {grad_query, grad_key, grad_value};
+  }
   const BwdParams p = make_varlen_bwd_params(grad_out, query, key, value, out, lse, grad_query, grad_key, grad_value,
                                              args, opts, deterministic);
   record_kernel(Pass::kBwd, KernelTrace{"cpu"});

@@ -357,9 +357,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const cudaDeviceProp& prop = device_properties(query_in);
   check_varlen_grid(args, key_in.size(1), max_seqlen_k, "key");
   auto [grad_query, grad_key, grad_value] = alloc_varlen_bwd_outputs(query_in, key_in, value_in);
-  if (query_in.numel() == 0 || key_in.numel() == 0 || args.batch() == 0) return {grad_query, grad_key, grad_value};
+  if (query_in.numel() == 0 || key_in.numel() == 0 || args.batch() == 0) {
+    grad_query.zero_();
+    return {grad_query, grad_key, grad_value};
+  }
   if (deterministic || forced_bwd_path() == "composite") {  // the fused kernel sums dQ with atomics
     record_kernel(Pass::kBwd, KernelTrace{"composite"});
+    grad_query.zero_();  // the per-sequence path writes only rows inside sequences
     varlen_bwd_deterministic(grad_out_in, query_in, key_in, value_in, out_in, lse, args, opts, grad_query, grad_key,
                              grad_value);
     return {grad_query, grad_key, grad_value};
