@@ -84,13 +84,14 @@ def _acc_dtype(t: torch.Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _merge(out, lse, part_out, part_lse):
-    """Running (out, lse) merged with one block's normalized (out, lse) along the rows they cover."""
+def _merge_(out, lse, part_out, part_lse):
+    """Merges one block's normalized (out, lse) into the running (out, lse) in place (views of the rows it covers)."""
     new = torch.logaddexp(lse, part_lse)
     # rows no block has seen yet keep -inf: exp(-inf - -inf) would be NaN
     w_old = torch.exp(lse - new).nan_to_num_(0.0).unsqueeze(-1)
     w_new = torch.exp(part_lse - new).nan_to_num_(0.0).unsqueeze(-1)
-    return out * w_old + part_out.to(out.dtype) * w_new, new
+    out.mul_(w_old).addcmul_(part_out, w_new)
+    lse.copy_(new)
 
 
 def _causal_plan(step_src: int, rank: int, world: int):
@@ -113,8 +114,7 @@ class _RingAttention(torch.autograd.Function):
         half = S // 2
         parts = {None: slice(0, S), 0: slice(0, half), 1: slice(half, S)}
         acc = _acc_dtype(q)
-        out = torch.zeros(q.shape, dtype=acc, device=q.device)
-        lse = torch.full(q.shape[:3], float("-inf"), dtype=acc, device=q.device)
+        out = lse = None
         kv = (k, v)
         for step in range(world):
             src = (rank - step) % world
@@ -125,7 +125,10 @@ class _RingAttention(torch.autograd.Function):
                 qs, ks = parts[qp], parts[kp]
                 o, l = _fwd(q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], scale, c, False, -1, -1, 0.0,
                             deterministic)
-                out[:, :, qs], lse[:, :, qs] = _merge(out[:, :, qs], lse[:, :, qs], o, l)
+                if out is None:  # step 0 (the rank's own block) covers every row: nothing to merge with yet
+                    out, lse = o.to(acc), l.to(acc)
+                else:
+                    _merge_(out[:, :, qs], lse[:, :, qs], o, l)
             if step + 1 < world:
                 ring.wait()
                 kv = tuple(incoming)
@@ -146,28 +149,41 @@ class _RingAttention(torch.autograd.Function):
         dout = dout.contiguous()
         acc = _acc_dtype(q)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-        dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
-        dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
         kv = (k, v)
+        # The dK/dV accumulators travel with their block, one step behind it: those of the block at hand arrive
+        # (sent by the rank that computed it last) while this rank computes the block's contributions, and leave
+        # for the next rank while it computes the next block, so their transfer hides under the computation too.
+        arriving = None  # step 0 is the rank's own block, whose accumulators start at zero
         for step in range(world):
             src = (rank - step) % world
             if step + 1 < world:
                 incoming = ring.start(kv)
             plan = _causal_plan(src, rank, world) if ctx.causal else [(None, None, False)]
+            contributions = []
             for qp, kp, c in plan:
                 qs, ks = parts[qp], parts[kp]
                 # The global out and lse make this block's P and dS exact (softmax over the whole sequence).
                 gq, gk, gv = _bwd(dout[:, :, qs], q[:, :, qs], kv[0][:, :, ks], kv[1][:, :, ks], out[:, :, qs],
                                   lse[:, :, qs].contiguous(), ctx.scale, c, False, -1, -1, 0.0, ctx.deterministic)
-                dq[:, :, qs] += gq.to(acc)
-                dk_acc[:, :, ks] += gk.to(acc)
-                dv_acc[:, :, ks] += gv.to(acc)
-            # The block's accumulators follow it to the next rank (after the last step: home, one more hop).
-            acc_bufs = ring_send_recv(ring, (dk_acc, dv_acc))
+                dq[:, :, qs].add_(gq)
+                contributions.append((ks, gk, gv))
+            if arriving is None:
+                dk_acc = torch.zeros(k.shape, dtype=acc, device=k.device)
+                dv_acc = torch.zeros(v.shape, dtype=acc, device=v.device)
+            else:
+                dk_acc, dv_acc = arriving()
+            for ks, gk, gv in contributions:
+                dk_acc[:, :, ks].add_(gk)
+                dv_acc[:, :, ks].add_(gv)
+            # to the rank that computes this block next; after the last step that is the block's home
+            if world > 1:
+                arriving = ring_send_recv(ring, (dk_acc, dv_acc))
+            else:
+                arriving = lambda done=(dk_acc, dv_acc): done  # noqa: E731 - a group of one is home already
             if step + 1 < world:
                 ring.wait()
                 kv = tuple(incoming)
-            dk_acc, dv_acc = acc_bufs()
+        dk_acc, dv_acc = arriving()
         return dq.to(q.dtype), dk_acc.to(k.dtype), dv_acc.to(v.dtype), None, None, None, None
 
 

@@ -88,6 +88,14 @@ def test_ring_attention_gloo(world, causal, gqa, dtype):
     _run(world, causal, gqa, dtype, "gloo")
 
 
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_ring_attention_group_of_one(causal):
+    """A group of one rank: no ring at all, the single-device result."""
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available in this torch build")
+    _run(1, causal, True, torch.float32, "gloo")
+
+
 def _gpu_pair_skip_reason(world):
     from conftest import cuda_skip_reason
 
