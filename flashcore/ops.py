@@ -51,6 +51,15 @@ def _varlen_bwd_fake(grad_out, query, key, value, *args, **kwargs):
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
+@torch.library.register_fake("flashcore::kvcache_fwd")
+def _kvcache_fwd_fake(query, *args, **kwargs):
+    torch._check(query.dim() == 4, lambda: f"flashcore: query must be 4-D (batch, seqlen_q, heads_q, head_dim); got {query.dim()}-D")
+    out = torch.empty_like(query)
+    lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    lse = query.new_empty((query.size(0), query.size(2), query.size(1)), dtype=lse_dtype)
+    return out, lse
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Autograd: registered in C++ (csrc/flashcore/autograd.cpp) at the Autograd key; a Python autograd kernel would
 # add ~10 us of host time to every call. out's gradient goes through flashcore::bwd; lse is not differentiable;

@@ -4,6 +4,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -436,6 +437,146 @@ BwdParams make_varlen_bwd_params(const at::Tensor& grad_out, const at::Tensor& q
                                 view(grad_query), view(grad_key), view(grad_value), opts, deterministic);
   set_varlen_fields(p, args, query.size(0), key.size(0));
   p.dout_stride.batch = p.dq_stride.batch = p.dk_stride.batch = p.dv_stride.batch = 0;
+  return p;
+}
+
+
+// ---- KV-cache calls ----
+
+namespace {
+
+void check_index_tensor(const at::Tensor& t, const char* name, const at::Tensor& query, int64_t dims) {
+  TORCH_CHECK(t.scalar_type() == at::kInt, "flashcore: ", name, " must be int32 (torch.int32); got ",
+              dtype_name(t.scalar_type()));
+  TORCH_CHECK(t.dim() == dims, "flashcore: ", name, " must be ", dims, "-D; got ", t.dim(), "-D with shape ",
+              t.sizes());
+  TORCH_CHECK(t.device() == query.device(), "flashcore: ", name, " is on ", t.device(), " but query is on ",
+              query.device());
+  TORCH_CHECK(t.size(0) == query.size(0), "flashcore: ", name, " must have batch = ", query.size(0),
+              " rows (query.size(0)); got ", t.size(0));
+}
+
+// The index tensors' values (CPU tensors only: reading CUDA ones would sync).
+void check_kvcache_values(const KvCacheArgs& a, int64_t cache_rows, int64_t capacity) {
+  const int64_t B = a.cache_seqlens.size(0);
+  const int32_t* len = a.cache_seqlens.data_ptr<int32_t>();
+  const int32_t* pad = a.cache_leftpad.defined() ? a.cache_leftpad.data_ptr<int32_t>() : nullptr;
+  const int32_t* idx = a.cache_batch_idx.defined() ? a.cache_batch_idx.data_ptr<int32_t>() : nullptr;
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(len[b] >= 0 && len[b] <= capacity, "flashcore: cache_seqlens[", b, "] = ", len[b],
+                " is outside the cache's capacity [0, ", capacity, "]");
+    TORCH_CHECK(!pad || (pad[b] >= 0 && pad[b] <= len[b]), "flashcore: cache_leftpad[", b, "] = ", pad[b],
+                " must be in [0, cache_seqlens[", b, "] = ", len[b], "]");
+    TORCH_CHECK(!idx || (idx[b] >= 0 && idx[b] < cache_rows), "flashcore: cache_batch_idx[", b, "] = ", idx[b],
+                " is not a row of the cache [0, ", cache_rows, ")");
+    if (a.paged()) {
+      const int32_t* row = a.block_table.data_ptr<int32_t>() + b * a.block_table.stride(0);  // stride(1) == 1
+      const int64_t page_size = capacity / std::max<int64_t>(a.block_table.size(1), 1);
+      const int64_t used = page_size > 0 ? (len[b] + page_size - 1) / page_size : 0;
+      for (int64_t s = 0; s < used; ++s) {
+        const int64_t page = row[s];
+        TORCH_CHECK(page >= 0 && page < cache_rows, "flashcore: block_table[", b, ", ", s, "] = ", page,
+                    " is not a page of the cache [0, ", cache_rows, ")");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+KvCacheArgs make_kvcache_args(const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
+                              const std::optional<at::Tensor>& cache_batch_idx,
+                              const std::optional<at::Tensor>& cache_leftpad, int64_t num_splits) {
+  KvCacheArgs a;
+  a.cache_seqlens = contiguous_offsets(cache_seqlens);
+  if (block_table.has_value() && block_table->defined()) a.block_table = *block_table;
+  if (cache_batch_idx.has_value() && cache_batch_idx->defined()) a.cache_batch_idx = contiguous_offsets(*cache_batch_idx);
+  if (cache_leftpad.has_value() && cache_leftpad->defined()) a.cache_leftpad = contiguous_offsets(*cache_leftpad);
+  if (a.block_table.defined() && a.block_table.dim() == 2 && a.block_table.stride(1) != 1)
+    a.block_table = a.block_table.contiguous();
+  a.num_splits = num_splits;
+  return a;
+}
+
+void check_kvcache_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          const KvCacheArgs& a, const AttentionOptions& opts, const BackendLimits& limits) {
+  TORCH_CHECK(query.defined() && query.dim() == 4, "flashcore: query must be 4-D (batch, seqlen_q, heads_q, "
+              "head_dim) for a KV-cache call; got ", query.defined() ? query.dim() : 0, "-D");
+  const char* layout = a.paged() ? "(num_pages, page_size, heads_kv, head_dim) with block_table"
+                                 : "(cache_batch, seqlen_cache, heads_kv, head_dim)";
+  TORCH_CHECK(key_cache.defined() && key_cache.dim() == 4, "flashcore: key_cache must be 4-D ", layout, "; got ",
+              key_cache.defined() ? key_cache.dim() : 0, "-D");
+  TORCH_CHECK(value_cache.defined() && value_cache.sizes() == key_cache.sizes(), "flashcore: value_cache must have "
+              "key_cache's shape ", key_cache.sizes(), "; got ", value_cache.defined() ? value_cache.sizes() : at::IntArrayRef{});
+  TORCH_CHECK(key_cache.scalar_type() == query.scalar_type(), "flashcore: key_cache has dtype ",
+              dtype_name(key_cache.scalar_type()), " but query has dtype ", dtype_name(query.scalar_type()),
+              "; the cache must have query's dtype");
+  TORCH_CHECK(value_cache.scalar_type() == query.scalar_type(), "flashcore: value_cache has dtype ",
+              dtype_name(value_cache.scalar_type()), " but query has dtype ", dtype_name(query.scalar_type()),
+              "; the cache must have query's dtype");
+  TORCH_CHECK(a.cache_seqlens.defined(), "flashcore: cache_seqlens is undefined (None)");
+  check_index_tensor(a.cache_seqlens, "cache_seqlens", query, 1);
+  if (a.cache_leftpad.defined()) check_index_tensor(a.cache_leftpad, "cache_leftpad", query, 1);
+  if (a.cache_batch_idx.defined()) {
+    check_index_tensor(a.cache_batch_idx, "cache_batch_idx", query, 1);
+    TORCH_CHECK(!a.paged(), "flashcore: cache_batch_idx cannot be combined with block_table (a paged cache maps "
+                "batch entries to pages through block_table)");
+  }
+  if (a.paged()) {
+    check_index_tensor(a.block_table, "block_table", query, 2);
+    TORCH_CHECK(key_cache.size(1) >= 1, "flashcore: page_size (key_cache.size(1)) must be at least 1");
+    TORCH_CHECK(a.block_table.size(1) >= 1 || query.size(0) == 0, "flashcore: block_table must have at least one "
+                "column");
+  } else {
+    TORCH_CHECK(a.cache_batch_idx.defined() || key_cache.size(0) >= query.size(0), "flashcore: key_cache has ",
+                key_cache.size(0), " rows but the batch has ", query.size(0),
+                " entries; pass cache_batch_idx to map entries to cache rows");
+  }
+  TORCH_CHECK(a.num_splits >= 0 && a.num_splits <= 256, "flashcore: num_splits must be in [0, 256] (0: "
+              "automatic); got ", a.num_splits);
+  // The attention itself: query and the cache as (batch, heads, seq, dim) views.
+  check_common(query.transpose(1, 2), key_cache.transpose(1, 2), value_cache.transpose(1, 2), opts, limits,
+               query.size(0));
+  const int64_t capacity = a.paged() ? a.block_table.size(1) * key_cache.size(1) : key_cache.size(1);
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  TORCH_CHECK(capacity <= kIntMax && key_cache.size(0) <= kIntMax, "flashcore: cache capacity and rows must be below"
+              " 2^31; got ", capacity, " and ", key_cache.size(0));
+  if (query.is_cpu()) check_kvcache_values(a, key_cache.size(0), capacity);
+}
+
+std::tuple<at::Tensor, at::Tensor> alloc_kvcache_outputs(const at::Tensor& query) {
+  at::Tensor out = at::empty_like(query);
+  const auto lse_dtype = query.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor lse = at::empty({query.size(0), query.size(2), query.size(1)}, query.options().dtype(lse_dtype));
+  poison_if_enabled({out, lse});
+  return {out, lse};
+}
+
+DecodeParams make_decode_params(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const at::Tensor& out, const at::Tensor& lse, const KvCacheArgs& a,
+                                const AttentionOptions& opts) {
+  DecodeParams p;
+  p.f = make_fwd_params(query.transpose(1, 2), key_cache.transpose(1, 2), value_cache.transpose(1, 2),
+                        out.transpose(1, 2), lse, opts);
+  p.f.batch = query.size(0);
+  KvCacheParams& kv = p.kv;
+  kv.cache_seqlens = a.cache_seqlens.data_ptr<int32_t>();
+  kv.cache_batch_idx = a.cache_batch_idx.defined() ? a.cache_batch_idx.data_ptr<int32_t>() : nullptr;
+  kv.cache_leftpad = a.cache_leftpad.defined() ? a.cache_leftpad.data_ptr<int32_t>() : nullptr;
+  kv.cache_rows = key_cache.size(0);
+  if (a.paged()) {
+    kv.block_table = a.block_table.data_ptr<int32_t>();
+    kv.block_table_stride = a.block_table.stride(0);
+    kv.max_pages = a.block_table.size(1);
+    kv.page_size = key_cache.size(1);
+    kv.capacity = kv.max_pages * kv.page_size;
+  } else {
+    kv.capacity = key_cache.size(1);
+  }
+  p.f.seqlen_k = kv.capacity;
+  p.f.band = p.f.mask.band(p.f.seqlen_q, p.f.seqlen_k);  // per entry: mask.band(seqlen_q, kv_seq(b).seqlen_k)
+  p.f.score.alibi_offset = 0;                            // per entry as well
+  p.num_splits = 1;
   return p;
 }
 

@@ -9,6 +9,7 @@
 #include <optional>
 #include <tuple>
 
+#include "paged_kv.h"
 #include "params.h"
 
 namespace flashcore {
@@ -122,5 +123,34 @@ at::Tensor packed_as_bhsd(const at::Tensor& t);
 bool fwd_is_trivial(const FwdParams& p, at::Tensor& out, at::Tensor& lse);
 bool bwd_is_trivial(const at::Tensor& query, const at::Tensor& key, at::Tensor& grad_query, at::Tensor& grad_key,
                     at::Tensor& grad_value);
+
+// ---- KV-cache calls (paged_kv.h), flash-attn's flash_attn_with_kvcache layout ----
+// query (batch, seqlen_q, heads_q, head_dim); key_cache/value_cache (cache_batch, capacity, heads_kv, head_dim), or
+// (num_pages, page_size, heads_kv, head_dim) with block_table; last dims contiguous.
+struct KvCacheArgs {
+  at::Tensor cache_seqlens;    // int32 (batch,)
+  at::Tensor block_table;      // int32 (batch, max_pages), or undefined (dense cache)
+  at::Tensor cache_batch_idx;  // int32 (batch,), or undefined
+  at::Tensor cache_leftpad;    // int32 (batch,), or undefined
+  int64_t num_splits = 0;      // 0: the heuristic's choice (CUDA)
+  bool paged() const { return block_table.defined(); }
+};
+
+KvCacheArgs make_kvcache_args(const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
+                              const std::optional<at::Tensor>& cache_batch_idx,
+                              const std::optional<at::Tensor>& cache_leftpad, int64_t num_splits);
+
+// Shapes, dtypes, devices and options, naming the argument; the index tensors' values too when they are on the
+// CPU (on CUDA that would need a sync: the kernel clamps them instead, paged_kv.h).
+void check_kvcache_inputs(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                          const KvCacheArgs& args, const AttentionOptions& opts, const BackendLimits& limits);
+
+// out like query, lse (batch, heads_q, seqlen_q) float32 (float64 for float64 inputs).
+std::tuple<at::Tensor, at::Tensor> alloc_kvcache_outputs(const at::Tensor& query);
+
+// The params of a KV-cache call (mask aligned bottom-right; f.seqlen_k = the capacity).
+DecodeParams make_decode_params(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                                const at::Tensor& out, const at::Tensor& lse, const KvCacheArgs& args,
+                                const AttentionOptions& opts);
 
 }  // namespace flashcore

@@ -86,6 +86,18 @@ TORCH_LIBRARY(flashcore, m) {
       "Tensor cu_seqlens_q, Tensor cu_seqlens_k, int max_seqlen_q, int max_seqlen_k, float softmax_scale, "
       "bool is_causal=False, int window_left=-1, int window_right=-1, float softcap=0.0, bool deterministic=False, "
       "Tensor? alibi_slopes=None, Tensor? seqused_k=None) -> (Tensor grad_query, Tensor grad_key, Tensor grad_value)");
+  // Attention of new queries against a KV cache (paged_kv.h; flash-attn's flash_attn_with_kvcache without the
+  // append, which flashcore.flash_attn_interface does before calling it). query (batch, seqlen_q, heads_q,
+  // head_dim); key_cache/value_cache (cache_batch, seqlen_cache, heads_kv, head_dim), or paged
+  // (num_pages, page_size, heads_kv, head_dim) with block_table (batch, max_pages) int32. Entry b attends to keys
+  // [cache_leftpad[b], cache_seqlens[b]) of cache row cache_batch_idx[b] (b); causal and window aligned
+  // bottom-right. num_splits: key splits per (batch, kv head) (0: chosen from the GPU's size; the CPU ignores it).
+  // Returns out like query and lse (batch, heads_q, seqlen_q) float32.
+  m.def(
+      "kvcache_fwd(Tensor query, Tensor key_cache, Tensor value_cache, Tensor cache_seqlens, Tensor? block_table, "
+      "Tensor? cache_batch_idx, Tensor? cache_leftpad, float softmax_scale, bool is_causal=False, "
+      "int window_left=-1, int window_right=-1, float softcap=0.0, Tensor? sinks=None, Tensor? alibi_slopes=None, "
+      "int num_splits=0) -> (Tensor out, Tensor lse)");
   // Name of the CUDA forward kernel family that fwd would run for these inputs on this device ("sm80", "sm90"),
   // for tests and benchmarks; respects FLASHCORE_FORCE_KERNEL.
   m.def("fwd_kernel_name(Tensor query, Tensor key, Tensor value, bool is_causal=False) -> str");

@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include <limits>
+
 #include "../attention_host.h"
 #include "../kernel_trace.h"
 #include "kernels_cpu.h"
@@ -92,6 +94,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cpu(
   return {grad_query, grad_key, grad_value};
 }
 
+// One call of the CPU forward kernel per batch entry, on that entry's keys as a (1, heads_kv, keys, head_dim) view
+// of the cache (a paged cache's pages are gathered first).
+std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cpu(
+    const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& cache_leftpad,
+    double softmax_scale, bool is_causal, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, /*causal_bottom_right=*/true, window_left,
+                                             window_right, softcap, sinks, alibi_slopes);
+  const KvCacheArgs args = make_kvcache_args(cache_seqlens, block_table, cache_batch_idx, cache_leftpad, num_splits);
+  check_kvcache_inputs(query, key_cache, value_cache, args, opts, kCpuLimits);
+  auto [out, lse] = alloc_kvcache_outputs(query);
+  if (query.numel() == 0) return {out, lse};
+  record_kernel(Pass::kFwd, KernelTrace{"cpu"});
+  const DecodeParams dp = make_decode_params(query, key_cache, value_cache, out, lse, args, opts);
+  for (int64_t b = 0; b < query.size(0); ++b) {
+    const KvSeq s = kv_seq(dp.kv, b);
+    auto keys_of = [&](const at::Tensor& cache) {  // (seqlen_k, heads_kv, head_dim)
+      if (!args.paged()) return cache[s.cache_row].narrow(0, s.first_key, s.seqlen_k);
+      const int64_t pages = (s.first_key + s.seqlen_k + dp.kv.page_size - 1) / dp.kv.page_size;
+      const at::Tensor table = args.block_table[b].narrow(0, 0, pages).to(at::kLong);
+      return cache.index_select(0, table).flatten(0, 1).narrow(0, s.first_key, s.seqlen_k);
+    };
+    const at::Tensor k = keys_of(key_cache).unsqueeze(0).transpose(1, 2);
+    const at::Tensor v = keys_of(value_cache).unsqueeze(0).transpose(1, 2);
+    at::Tensor q_b = query.narrow(0, b, 1).transpose(1, 2);
+    at::Tensor out_b = out.narrow(0, b, 1).transpose(1, 2);
+    at::Tensor lse_b = lse.narrow(0, b, 1);
+    AttentionOptions entry = opts;
+    if (entry.alibi_slopes.defined() && entry.alibi_slopes.dim() == 2)
+      entry.alibi_slopes = entry.alibi_slopes.narrow(0, b, 1);
+    if (s.seqlen_k == 0) {  // no key: out 0; lse the sink's logit (finalize's rule for a row that sees no key)
+      out_b.zero_();
+      if (opts.sinks.defined())
+        lse_b.copy_(opts.sinks.view({1, -1, 1}).expand_as(lse_b));
+      else
+        lse_b.fill_(-std::numeric_limits<double>::infinity());
+      continue;
+    }
+    const FwdParams p = make_fwd_params(q_b, k, v, out_b, lse_b, entry);
+    cpu::fwd_kernel(p, query.scalar_type());
+  }
+  return {out, lse};
+}
+
 std::string fwd_kernel_name_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) { return "cpu"; }
 std::string bwd_kernel_name_cpu(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, bool) {
   return "cpu";
@@ -104,6 +152,7 @@ TORCH_LIBRARY_IMPL(flashcore, CPU, m) {
   m.impl("bwd", &bwd_cpu);
   m.impl("varlen_fwd", &varlen_fwd_cpu);
   m.impl("varlen_bwd", &varlen_bwd_cpu);
+  m.impl("kvcache_fwd", &kvcache_fwd_cpu);
   m.impl("fwd_kernel_name", &fwd_kernel_name_cpu);
   m.impl("bwd_kernel_name", &bwd_kernel_name_cpu);
 }

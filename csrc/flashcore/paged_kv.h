@@ -1,0 +1,80 @@
+// Where the keys of a KV-cache call live: one description shared by the host, the CPU path and the CUDA decode
+// kernel (flash-attn's flash_attn_with_kvcache semantics).
+//
+// The cache is dense, (cache_batch, capacity, heads_kv, head_dim), or paged, (num_pages, page_size, heads_kv,
+// head_dim) read through block_table (batch, max_pages): key j of batch entry b is row j % page_size of page
+// block_table[b][j / page_size]. Batch entry b reads cache row cache_batch_idx[b] (dense; b when absent); its keys
+// are [cache_leftpad[b], cache_seqlens[b]) of that row (leftpad 0 when absent), so its sequence has
+// cache_seqlens[b] - cache_leftpad[b] keys; the query's causal diagonal and window are aligned bottom-right to them.
+//
+// Lengths, indices and page numbers live on the device and are not checked on the hot path (a sync). Whatever
+// they say, KvCacheParams keeps every access inside the cache: lengths are clamped to the capacity, the left pad
+// to the length, cache rows and page numbers into the tensor (the CPU path validates them instead).
+#pragma once
+
+#include <cstdint>
+
+#include "macros.h"
+#include "mask.h"
+#include "params.h"
+
+namespace flashcore {
+
+struct KvCacheParams {
+  const int32_t* cache_seqlens = nullptr;    // (batch,)
+  const int32_t* cache_batch_idx = nullptr;  // (batch,) or null
+  const int32_t* cache_leftpad = nullptr;    // (batch,) or null
+  const int32_t* block_table = nullptr;      // (batch, max_pages) with row stride block_table_stride, or null
+  int64_t block_table_stride = 0;
+  int64_t max_pages = 0;    // block_table's columns
+  int64_t page_size = 0;    // paged: rows of a page
+  int64_t cache_rows = 0;   // dense: cache_batch; paged: num_pages (the first dim of the cache)
+  int64_t capacity = 0;     // keys one batch entry can hold: dense seq len, or max_pages * page_size
+
+  FLASHCORE_HOST_DEVICE bool paged() const { return block_table != nullptr; }
+};
+
+// One batch entry's keys, clamped: cache row (dense), first key and count.
+struct KvSeq {
+  int64_t cache_row = 0;
+  int64_t first_key = 0;  // the left pad
+  int64_t seqlen_k = 0;   // keys visible to the attention: [first_key, first_key + seqlen_k)
+};
+
+FLASHCORE_HOST_DEVICE KvSeq kv_seq(const KvCacheParams& kv, int64_t b) {
+  KvSeq s;
+  const int64_t end = clamp64(kv.cache_seqlens[b], 0, kv.capacity);
+  s.first_key = kv.cache_leftpad ? clamp64(kv.cache_leftpad[b], 0, end) : 0;
+  s.seqlen_k = end - s.first_key;
+  s.cache_row = kv.paged() ? 0 : clamp64(kv.cache_batch_idx ? kv.cache_batch_idx[b] : b, 0, kv.cache_rows - 1);
+  return s;
+}
+
+// Offset, in units of the cache's row (sequence) stride and batch stride, of key `key` (< capacity) of batch entry
+// b: the element offset is batch_index * stride.batch + row * stride.seq. Page numbers are clamped into the cache.
+struct KvRow {
+  int64_t batch_index;  // dense: the cache row; paged: the page
+  int64_t row;          // the key's row in it
+};
+
+FLASHCORE_HOST_DEVICE KvRow kv_row(const KvCacheParams& kv, const KvSeq& s, int64_t b, int64_t key) {
+  if (!kv.paged()) return KvRow{s.cache_row, key};
+  const int64_t slot = key / kv.page_size;
+  const int64_t page = clamp64(kv.block_table[b * kv.block_table_stride + slot], 0, kv.cache_rows - 1);
+  return KvRow{page, key - slot * kv.page_size};
+}
+
+// One KV-cache call: the attention part as FwdParams (q/out as (batch, heads, seq, dim) strides, k/v strides of
+// the cache: batch = a cache row or a page, seq = a key row), the cache's layout, and the split-KV workspace.
+// f.seqlen_k is the capacity (the grid's bound); each entry's own length comes from kv_seq.
+struct DecodeParams {
+  FwdParams f;
+  KvCacheParams kv;
+  int num_splits = 1;
+  // num_splits > 1: each split's normalized partial output (num_splits, batch, heads_q, seqlen_q, head_dim) and
+  // log-sum-exp (num_splits, batch, heads_q, seqlen_q), float32, merged by the combine kernel.
+  float* o_partial = nullptr;
+  float* lse_partial = nullptr;
+};
+
+}  // namespace flashcore
