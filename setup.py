@@ -107,6 +107,7 @@ def get_extensions():
         glob.glob(os.path.join(CSRC, "cuda", "*.cpp"))
         + glob.glob(os.path.join(CSRC, "cuda", "*.cu"))
         + glob.glob(os.path.join(CSRC, "cuda", "sm90", "*.cpp"))  # host code of the Hopper family (TMA descriptors)
+        + glob.glob(os.path.join(CSRC, "cuda", "decode", "*.cu"))  # the KV-cache kernel (sm_80+)
     )
     cuda_sources += sorted(
         p

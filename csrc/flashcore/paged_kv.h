@@ -8,8 +8,9 @@
 // cache_seqlens[b] - cache_leftpad[b] keys; the query's causal diagonal and window are aligned bottom-right to them.
 //
 // Lengths, indices and page numbers live on the device and are not checked on the hot path (a sync). Whatever
-// they say, KvCacheParams keeps every access inside the cache: lengths are clamped to the capacity, the left pad
-// to the length, cache rows and page numbers into the tensor (the CPU path validates them instead).
+// they say, every access stays inside the cache: kv_seq clamps lengths to the capacity, the left pad to the
+// length and cache rows into the tensor; the decode kernel clamps page numbers into it too (the CPU path validates
+// them all instead).
 #pragma once
 
 #include <cstdint>
@@ -48,20 +49,6 @@ FLASHCORE_HOST_DEVICE KvSeq kv_seq(const KvCacheParams& kv, int64_t b) {
   s.seqlen_k = end - s.first_key;
   s.cache_row = kv.paged() ? 0 : clamp64(kv.cache_batch_idx ? kv.cache_batch_idx[b] : b, 0, kv.cache_rows - 1);
   return s;
-}
-
-// Offset, in units of the cache's row (sequence) stride and batch stride, of key `key` (< capacity) of batch entry
-// b: the element offset is batch_index * stride.batch + row * stride.seq. Page numbers are clamped into the cache.
-struct KvRow {
-  int64_t batch_index;  // dense: the cache row; paged: the page
-  int64_t row;          // the key's row in it
-};
-
-FLASHCORE_HOST_DEVICE KvRow kv_row(const KvCacheParams& kv, const KvSeq& s, int64_t b, int64_t key) {
-  if (!kv.paged()) return KvRow{s.cache_row, key};
-  const int64_t slot = key / kv.page_size;
-  const int64_t page = clamp64(kv.block_table[b * kv.block_table_stride + slot], 0, kv.cache_rows - 1);
-  return KvRow{page, key - slot * kv.page_size};
 }
 
 // One KV-cache call: the attention part as FwdParams (q/out as (batch, heads, seq, dim) strides, k/v strides of

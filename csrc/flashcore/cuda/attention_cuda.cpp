@@ -16,6 +16,7 @@
 #include "../switches.h"
 #include "bwd_composite_cuda.h"
 #include "bwd_preprocess.cuh"
+#include "decode/decode.h"
 #include "kernel_registry.h"
 #include "sm90/tma_desc.h"
 
@@ -402,11 +403,60 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   return {grad_query, grad_key, grad_value};
 }
 
+// The KV-cache forward (decode/): one launch of the split-KV kernel (plus the combine kernel when split), no sync:
+// lengths, indices and page numbers stay on the device and the kernel clamps them (paged_kv.h), so a call can be
+// captured in a CUDA graph with cache_seqlens changing between replays.
+std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cuda(
+    const at::Tensor& query_in, const at::Tensor& key_cache_in, const at::Tensor& value_cache_in,
+    const at::Tensor& cache_seqlens, const std::optional<at::Tensor>& block_table,
+    const std::optional<at::Tensor>& cache_batch_idx, const std::optional<at::Tensor>& cache_leftpad,
+    double softmax_scale, bool is_causal, int64_t window_left, int64_t window_right, double softcap,
+    const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes, int64_t num_splits) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, /*causal_bottom_right=*/true, window_left,
+                                             window_right, softcap, sinks, alibi_slopes);
+  const KvCacheArgs args = make_kvcache_args(cache_seqlens, block_table, cache_batch_idx, cache_leftpad, num_splits);
+  check_kvcache_inputs(query_in, key_cache_in, value_cache_in, args, opts, kCudaLimits);
+  const c10::cuda::CUDAGuard guard(query_in.device());
+  const cudaDeviceProp& prop = device_properties(query_in);
+  auto [out, lse] = alloc_kvcache_outputs(query_in);
+  if (query_in.numel() == 0) return {out, lse};
+  TORCH_CHECK(query_in.size(0) * key_cache_in.size(2) <= std::numeric_limits<int32_t>::max(), "flashcore: batch x "
+              "heads_kv (", query_in.size(0), " x ", key_cache_in.size(2), ") exceeds the CUDA grid limit");
+  // 16-byte loads: misaligned inputs are read from aligned copies (the caller's caches are never written here).
+  const at::Tensor query = aligned_for_16b_loads(query_in);
+  const at::Tensor key_cache = aligned_for_16b_loads(key_cache_in);
+  const at::Tensor value_cache = aligned_for_16b_loads(value_cache_in);
+  DecodeParams p = make_decode_params(query, key_cache, value_cache, out, lse, args, opts);
+  if (key_cache.numel() == 0 || p.kv.capacity == 0) {  // no key anywhere: out 0, lse the sink (or -inf)
+    out.zero_();
+    if (opts.sinks.defined())
+      lse.copy_(opts.sinks.view({1, -1, 1}).expand_as(lse));
+    else
+      lse.fill_(-std::numeric_limits<float>::infinity());
+    return {out, lse};
+  }
+  const bool bf16 = query.scalar_type() == at::kBFloat16;
+  const decode::DecodePlan plan = decode::plan_decode(p, (int)args.num_splits, bf16, prop);
+  p.num_splits = plan.splits;
+  at::Tensor o_partial, lse_partial;
+  if (plan.splits > 1) {
+    const int64_t rows = p.f.batch * p.f.heads_q * p.f.seqlen_q;
+    o_partial = at::empty({plan.splits * rows * p.f.head_dim}, query.options().dtype(at::kFloat));
+    lse_partial = at::empty({plan.splits * rows}, query.options().dtype(at::kFloat));
+    p.o_partial = o_partial.data_ptr<float>();
+    p.lse_partial = lse_partial.data_ptr<float>();
+  }
+  record_kernel(Pass::kFwd, KernelTrace{"decode", plan.head_dim_tile, 0, plan.splits});
+  decode::launch_decode(p, plan, bf16, at::cuda::getCurrentCUDAStream());
+  return {out, lse};
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashcore, CUDA, m) {
   m.impl("varlen_fwd", &varlen_fwd_cuda);
   m.impl("varlen_bwd", &varlen_bwd_cuda);
+  m.impl("kvcache_fwd", &kvcache_fwd_cuda);
   m.impl("fwd", &fwd_cuda);
   m.impl("bwd", &bwd_cuda);
   m.impl("fwd_kernel_name", &fwd_kernel_name_cuda);

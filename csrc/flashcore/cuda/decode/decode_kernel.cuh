@@ -1,0 +1,369 @@
+// The KV-cache ("decode") kernel, mma.sync (sm_80 .. sm_90): new query rows against a dense or paged cache
+// (paged_kv.h), split over the keys so that a small batch still fills the GPU (flash-decoding).
+//
+// Grid: x = (batch entry, kv head), y = key split, z = block of packed query rows. Rows are packed GQA-first:
+// row R of an entry's kv head is query position R / group of query head kv_head * group + R % group, so the
+// group's heads share each K/V tile read from memory (one read per kv head, not per query head).
+// Two warp layouts (kRowsMode): a decode step has few rows (group x new tokens <= 16), so the four warps share one
+// m16 tile of rows and split each 64-key tile into 16-key quarters, merging their softmax states at the end; a
+// chunked prefill has many rows, so each warp owns 16 rows and walks the whole tile (the prefill kernels' layout).
+// Pipeline: kStages K/V stages (cp.async); tiles i + 1 .. i + kStages - 1 stream in while tile i is computed. Rows of each tile are
+// gathered through the page table (one lookup a row), so a page may hold any number of keys.
+// Hazard: a stage is refilled only after the __syncthreads that ends the step that read it.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cmath>
+#include <cstdint>
+
+#include "../../paged_kv.h"
+#include "../common/online_softmax.cuh"
+#include "../common/smem_tile.cuh"
+#include "../ptx/cp_async.cuh"
+#include "../ptx/math.cuh"
+#include "../sm80/fwd_sm80_mainloop.cuh"
+
+namespace flashcore::decode {
+
+template <int kHeadDim_, typename Element_, bool kRowsMode_, int kStages_ = 2>
+struct DecodeTraits {
+  using Element = Element_;
+  static constexpr int kHeadDim = kHeadDim_;  // the tile: head dims up to it are zero-padded in shared memory
+  static constexpr bool kRowsMode = kRowsMode_;
+  static constexpr int kNThreads = 128;
+  static constexpr int kBlockN = 64;                   // keys a tile
+  static constexpr int kWarpsM = kRowsMode ? 4 : 1;    // warps along the rows
+  static constexpr int kWarpsN = 4 / kWarpsM;          // warps along a tile's keys
+  static constexpr int kBlockM = 16 * kWarpsM;         // packed query rows a block
+  static constexpr int kWarpKeys = kBlockN / kWarpsN;  // keys of a tile one warp multiplies
+  static constexpr int kNTiles = kWarpKeys / 8;
+  static constexpr int kDTiles = kHeadDim / 8;
+  static constexpr int kKSteps = kHeadDim / 16;
+  static constexpr int kStages = kStages_;
+  using QTile = cuda::SmemTile<kBlockM, kHeadDim>;
+  using KVTile = cuda::SmemTile<kBlockN, kHeadDim>;
+  static_assert(QTile::kSpanChunks == 8, "head-dim tiles are multiples of 64 (128-byte rows)");
+  static constexpr int kStageElems = 2 * KVTile::kElems;  // K, then V
+  // The epilogue's merge buffers reuse the stages: per warp, 16 rows of O (float) and (max, sum) a row.
+  static constexpr int kMergeBytes = 4 * 16 * kHeadDim * 4 + 4 * 16 * 2 * 4;
+  static constexpr int kStageBytes = kStages * kStageElems * (int)sizeof(Element);
+  static_assert(kMergeBytes <= kStageBytes, "merge buffers fit in the stages");
+  static constexpr int kSmemBytes = QTile::kElems * (int)sizeof(Element) + kStageBytes;
+};
+
+// cp.async of a (Tile::kNumRows x head-dim tile) tile whose rows lie anywhere (the packed query rows): row_ptr(r) gives row r's address,
+// or nullptr for a row to zero-fill; chunks at or past dim_limit are zero-filled too.
+template <typename Tile, int kNThreads, typename Element, typename RowPtr>
+__device__ __forceinline__ void gather_rows_async(Element* smem, const Element* any_valid, int dim_limit,
+                                                  RowPtr row_ptr) {
+  constexpr int kCpr = Tile::kChunksPerRow;
+  static_assert(kNThreads % kCpr == 0, "whole rows per pass");
+  constexpr int kRowStep = kNThreads / kCpr;
+  const uint32_t base = ptx::smem_addr(smem);
+  const int c = threadIdx.x % kCpr;
+  const bool col_ok = c * 8 < dim_limit;
+#pragma unroll
+  for (int r = threadIdx.x / kCpr; r < Tile::kNumRows; r += kRowStep) {
+    const Element* src = row_ptr(r);
+    const bool valid = col_ok && src != nullptr;
+    ptx::cp_async_16(base + Tile::chunk_offset(r, c) * (int)sizeof(Element), valid ? src + c * 8 : any_valid, valid);
+  }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_constant__ DecodeParams p) {
+  using Element = typename Traits::Element;
+  using QTile = typename Traits::QTile;
+  using KVTile = typename Traits::KVTile;
+  constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kNThreads = Traits::kNThreads;
+  constexpr int kNTiles = Traits::kNTiles, kDTiles = Traits::kDTiles, kKSteps = Traits::kKSteps;
+  constexpr int kWarpsN = Traits::kWarpsN;
+  const FwdParams& f = p.f;
+
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  Element* const sQ = reinterpret_cast<Element*>(smem_raw);
+  Element* const sStages = sQ + QTile::kElems;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
+  uint32_t kvh_u = 0;
+  const int b = (int)f.heads_kv_div.divmod(blockIdx.x, kvh_u);
+  const int kvh = (int)kvh_u;
+  const int split = blockIdx.y;
+  const int group = (int)f.group, seqlen_q = (int)f.seqlen_q, head_dim = (int)f.head_dim;
+  const int rows = seqlen_q * group;  // packed rows of this (entry, kv head)
+  const int m0 = blockIdx.z * kBlockM;
+
+  const KvSeq seq = kv_seq(p.kv, b);
+  const int seqlen_k = (int)seq.seqlen_k;
+  const Band band = f.mask.band(seqlen_q, seqlen_k);
+  const int pos_first = m0 / group, pos_last = (min(m0 + kBlockM, rows) - 1) / group;
+  const IndexRange tiles = Band::tiles(band.keys_of_queries(pos_first, pos_last + 1), kBlockN);
+  const int n_all = (int)tiles.size();
+  const int per_split = (n_all + p.num_splits - 1) / p.num_splits;
+  const int t_begin = (int)tiles.begin + split * per_split;
+  const int n_tiles = max(0, min((int)tiles.end - t_begin, per_split));
+
+  const Element* const q = static_cast<const Element*>(f.q) + b * f.q_stride.batch;
+  const Element* const k = static_cast<const Element*>(f.k) + kvh * f.k_stride.head;
+  const Element* const v = static_cast<const Element*>(f.v) + kvh * f.v_stride.head;
+
+  auto q_row = [&](int r) -> const Element* {
+    const int R = m0 + r;
+    if (R >= rows) return nullptr;
+    const int pos = R / group, hq = kvh * group + R % group;
+    return q + hq * f.q_stride.head + pos * f.q_stride.seq;
+  };
+  // Tile t holds keys t * kBlockN + r of the entry's sequence. A thread copies chunk c of rows r0 + kRowStep * it;
+  // `locate` finds where they live one tile ahead of `load_tile`, so that a paged cache's page-table reads (raw
+  // here, clamped at use) are in flight during a tile's computation instead of stalling the copies that need them.
+  constexpr int kCpr = KVTile::kChunksPerRow, kRowStep = kNThreads / kCpr, kRowsPerThread = kBlockN / kRowStep;
+  const int c = threadIdx.x % kCpr, r0 = threadIdx.x / kCpr;
+  const bool col_ok = c * 8 < head_dim;
+  struct Located {
+    int page[kRowsPerThread];  // paged: the raw block-table entry; dense: unused
+    int row[kRowsPerThread];   // the key's row in its page (paged) or cache row (dense); -1: past the sequence
+  };
+  auto locate = [&](int t, Located& at) {
+#pragma unroll
+    for (int it = 0; it < kRowsPerThread; ++it) {
+      const int j = t * kBlockN + r0 + it * kRowStep;
+      const int key = (int)seq.first_key + j;
+      at.row[it] = j < seqlen_k ? key : -1;
+      at.page[it] = 0;
+      if (p.kv.paged() && j < seqlen_k) {
+        const int slot = key / (int)p.kv.page_size;
+        at.page[it] = p.kv.block_table[b * p.kv.block_table_stride + slot];
+        at.row[it] = key - slot * (int)p.kv.page_size;
+      }
+    }
+  };
+  auto load_tile = [&](const Located& at, int stage) {
+    const uint32_t sK = ptx::smem_addr(sStages + stage * Traits::kStageElems);
+    const uint32_t sV = sK + KVTile::kElems * (int)sizeof(Element);
+#pragma unroll
+    for (int it = 0; it < kRowsPerThread; ++it) {
+      const bool valid = col_ok && at.row[it] >= 0;
+      const int64_t where = p.kv.paged() ? clamp64(at.page[it], 0, p.kv.cache_rows - 1) : seq.cache_row;
+      const Element* src_k = valid ? k + where * f.k_stride.batch + at.row[it] * f.k_stride.seq + c * 8 : k;
+      const Element* src_v = valid ? v + where * f.v_stride.batch + at.row[it] * f.v_stride.seq + c * 8 : v;
+      const int dst = KVTile::chunk_offset(r0 + it * kRowStep, c) * (int)sizeof(Element);
+      ptx::cp_async_16(sK + dst, src_k, valid);
+      ptx::cp_async_16(sV + dst, src_v, valid);
+    }
+  };
+
+  // This thread's two rows (g and g + 8 of its warp's m16 tile): query position, ALiBi slope.
+  int pos_of[2];
+  float alibi_log2[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int R = min(m0 + wm * 16 + (lane >> 2) + 8 * h, rows - 1);
+    pos_of[h] = R / group;
+    const int hq = kvh * group + R % group;
+    alibi_log2[h] = f.score.alibi_slopes
+                        ? f.score.alibi_slopes[b * f.score.alibi_stride_batch + hq * f.score.alibi_stride_head] * kLog2e
+                        : 0.f;
+  }
+  const bool softcap = f.score.softcap > 0.f, alibi = f.score.alibi_slopes != nullptr;
+  const int alibi_offset = seqlen_k - seqlen_q;
+  // The band in 32 bits (clamped: |j - i| < 2^31 here) and the tiles every row of the block sees whole.
+  const int band_lo = (int)Band::max64(band.lo, -(int64_t(1) << 31) + 1);
+  const int band_hi = (int)Band::min64(band.hi, (int64_t(1) << 31) - 1);
+  const TileRange unmasked = band.unmasked_key_tiles(pos_first, pos_last - pos_first + 1, kBlockN);
+
+  float o[1][kDTiles][4];
+#pragma unroll
+  for (int di = 0; di < kDTiles; ++di)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) o[0][di][e] = 0.f;
+  cuda::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
+
+  // Prologue: Q and tiles 0 .. kStages - 2, one commit group each (Q joins tile 0's).
+  gather_rows_async<QTile, kNThreads>(sQ, q, head_dim, q_row);
+  Located next;  // where the next tile to load lives
+  if (n_tiles > 0) locate(t_begin, next);
+#pragma unroll
+  for (int i = 0; i < Traits::kStages - 1; ++i) {
+    if (i < n_tiles) {
+      load_tile(next, i);
+      if (i + 1 < n_tiles) locate(t_begin + i + 1, next);
+    }
+    ptx::cp_async_commit();
+  }
+
+  uint32_t q_regs[1][kKSteps][4];
+  const sm80::LaneOffsets a_off = sm80::lane_offsets_a(lane), b_off = sm80::lane_offsets_b(lane);
+  for (int i = 0; i < n_tiles; ++i) {
+    const int t = t_begin + i, stage = i % Traits::kStages;
+    // Into the stage read at step i - 1 (released by that step's closing barrier).
+    if (i + Traits::kStages - 1 < n_tiles) {
+      load_tile(next, (i + Traits::kStages - 1) % Traits::kStages);
+      if (i + Traits::kStages < n_tiles) locate(t + Traits::kStages, next);
+    }
+    ptx::cp_async_commit();
+    ptx::cp_async_wait<Traits::kStages - 1>();  // Q and tile i have landed
+    __syncthreads();
+    if (i == 0) sm80::load_q_fragments<QTile>(q_regs, sQ, wm * 16, lane);
+
+    const Element* sK = sStages + stage * Traits::kStageElems + wn * Traits::kWarpKeys * 64;
+    const Element* sV = sK + KVTile::kElems;
+    float s[1][kNTiles][4];
+    sm80::gemm_qk<QTile, KVTile, 1, kNTiles, kKSteps, /*kQInRegs=*/true>(s, q_regs, sQ, sK, wm * 16, lane, a_off,
+                                                                         b_off);
+    // Logits in log2 units (scale, softcap, ALiBi: score_mod.h), then the mask (mask.h) in the entry's positions.
+    const int col0 = t * kBlockN + wn * Traits::kWarpKeys + 2 * (lane & 3);
+    const bool mask_tile = !unmasked.contains(t);  // uniform: most tiles of a long cache skip the mask
+#pragma unroll
+    for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int h = e >> 1, j = col0 + ni * 8 + (e & 1);
+        const int d = j - pos_of[h];
+        float x = softcap ? f.score.softcap_log2 * ptx::tanh_approx(s[0][ni][e] * f.score.softcap_inv)
+                          : s[0][ni][e] * f.scale_log2;
+        if (alibi) x = fmaf(-alibi_log2[h], fabsf((float)(d - alibi_offset)), x);
+        if (mask_tile && !(j < seqlen_k && d >= band_lo && d <= band_hi)) x = -INFINITY;
+        s[0][ni][e] = x;
+      }
+    float correction[2];
+    softmax.step(s, 1.f, correction);
+    softmax.rescale(o, correction, true);
+    sm80::gemm_pv<KVTile, 1, kNTiles, kDTiles>(o, s, sV, lane, a_off);
+    __syncthreads();  // every warp is done with this stage before the next step refills it
+  }
+  ptx::cp_async_wait<0>();
+  __syncthreads();
+
+  // Merge the warps that share rows (kWarpsN of them) through shared memory, normalize, and write: the output and
+  // lse directly (one split), or this split's partial output and lse for the combine kernel.
+  float* const merge_o = reinterpret_cast<float*>(sStages);    // [warp][16][kHeadDim]
+  float* const merge_ml = merge_o + 4 * 16 * Traits::kHeadDim;  // [warp][16][2]: max (log2), sum
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = (lane >> 2) + 8 * h;
+    const float sum = cuda::quad_sum(softmax.row_sum[h]);
+    if ((lane & 3) == 0) {
+      merge_ml[(warp * 16 + r) * 2] = softmax.row_max[h];
+      merge_ml[(warp * 16 + r) * 2 + 1] = sum;
+    }
+#pragma unroll
+    for (int di = 0; di < kDTiles; ++di) {
+      const int col = di * 8 + 2 * (lane & 3);
+      merge_o[(warp * 16 + r) * Traits::kHeadDim + col] = o[0][di][2 * h];
+      merge_o[(warp * 16 + r) * Traits::kHeadDim + col + 1] = o[0][di][2 * h + 1];
+    }
+  }
+  __syncthreads();
+
+  const bool direct = p.num_splits == 1;
+  const int64_t rows_total = f.batch * f.heads_q * f.seqlen_q;
+  for (int idx = threadIdx.x; idx < kBlockM * Traits::kHeadDim; idx += kNThreads) {
+    const int row = idx / Traits::kHeadDim, col = idx % Traits::kHeadDim;
+    const int R = m0 + row;
+    if (R >= rows || col >= head_dim) continue;
+    const int w0 = (row / 16) * kWarpsN, r = row % 16;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarpsN; ++w) m = fmaxf(m, merge_ml[((w0 + w) * 16 + r) * 2]);
+    const int pos = R / group, hq = kvh * group + R % group;
+    const float sink = direct && f.score.sinks ? f.score.sinks[hq] * kLog2e : -INFINITY;
+    m = fmaxf(m, sink);
+    float l = m == -INFINITY ? 0.f : exp2f(sink - m), acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsN; ++w) {
+      const float mw = merge_ml[((w0 + w) * 16 + r) * 2];
+      const float scale = mw == -INFINITY ? 0.f : exp2f(mw - m);
+      l += merge_ml[((w0 + w) * 16 + r) * 2 + 1] * scale;
+      acc += merge_o[((w0 + w) * 16 + r) * Traits::kHeadDim + col] * scale;
+    }
+    const bool empty = !(l > 0.f);
+    const float out = empty ? 0.f : acc / l;
+    const float lse = empty ? -INFINITY : (m + __log2f(l)) * 0.69314718055994531f;
+    const int64_t lse_row = ((int64_t)b * f.heads_q + hq) * f.seqlen_q + pos;
+    if (direct) {
+      Element* dst = static_cast<Element*>(f.out) + b * f.out_stride.batch + hq * f.out_stride.head +
+                     pos * f.out_stride.seq + col;
+      *dst = static_cast<Element>(out);
+      if (col == 0) f.lse[lse_row] = lse;
+    } else {
+      const int64_t prow = split * rows_total + lse_row;
+      p.o_partial[prow * head_dim + col] = out;
+      if (col == 0) p.lse_partial[prow] = lse;
+    }
+  }
+}
+
+// Merges the splits' partial outputs through their log-sum-exp (and adds the sinks): one warp a row. The warp
+// first turns the splits' lse into weights (lanes over splits, kept in shared memory), then each lane sums its
+// float4 columns over the splits with the loads of four splits in flight at a time (a serial chain of dependent
+// loads here cost 16 us of a 100 us decode step).
+template <typename Element>
+__global__ void __launch_bounds__(128) decode_combine_kernel(const __grid_constant__ DecodeParams p) {
+  constexpr int kMaxSplits = 256;
+  __shared__ float weight[4][kMaxSplits];
+  const FwdParams& f = p.f;
+  const int64_t rows_total = f.batch * f.heads_q * f.seqlen_q;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int64_t row = (int64_t)blockIdx.x * 4 + warp;
+  if (row >= rows_total) return;
+  const int pos = (int)(row % f.seqlen_q);
+  const int64_t bh = row / f.seqlen_q;
+  const int hq = (int)(bh % f.heads_q), b = (int)(bh / f.heads_q);
+  const int S = p.num_splits;
+  const float* lse_s = p.lse_partial + row;  // split s at lse_s[s * rows_total]
+  float m = f.score.sinks ? f.score.sinks[hq] : -INFINITY;  // natural-log units here
+  for (int s = lane; s < S; s += 32) m = fmaxf(m, lse_s[s * rows_total]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  float l = 0.f;
+  for (int s = lane; s < S; s += 32) {
+    const float e = m == -INFINITY ? 0.f : __expf(lse_s[s * rows_total] - m);
+    weight[warp][s] = e;
+    l += e;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+  if (f.score.sinks && m != -INFINITY) l += __expf(f.score.sinks[hq] - m);
+  const bool empty = !(l > 0.f);
+  const float inv = empty ? 0.f : 1.f / l;
+  __syncwarp();
+
+  const int head_dim = (int)f.head_dim;  // a multiple of 8 (CUDA's rule): float4 columns
+  Element* dst = static_cast<Element*>(f.out) + b * f.out_stride.batch + hq * f.out_stride.head + pos * f.out_stride.seq;
+  for (int d = 4 * lane; d < head_dim; d += 128) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float* src = p.o_partial + row * head_dim + d;
+    int s = 0;
+    for (; s + 4 <= S; s += 4) {
+      float4 x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) x[u] = *reinterpret_cast<const float4*>(src + (s + u) * rows_total * head_dim);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        const float w = weight[warp][s + u];
+        acc.x = fmaf(w, x[u].x, acc.x);
+        acc.y = fmaf(w, x[u].y, acc.y);
+        acc.z = fmaf(w, x[u].z, acc.z);
+        acc.w = fmaf(w, x[u].w, acc.w);
+      }
+    }
+    for (; s < S; ++s) {
+      const float4 x = *reinterpret_cast<const float4*>(src + s * rows_total * head_dim);
+      const float w = weight[warp][s];
+      acc.x = fmaf(w, x.x, acc.x);
+      acc.y = fmaf(w, x.y, acc.y);
+      acc.z = fmaf(w, x.z, acc.z);
+      acc.w = fmaf(w, x.w, acc.w);
+    }
+    dst[d] = static_cast<Element>(acc.x * inv);
+    dst[d + 1] = static_cast<Element>(acc.y * inv);
+    dst[d + 2] = static_cast<Element>(acc.z * inv);
+    dst[d + 3] = static_cast<Element>(acc.w * inv);
+  }
+  if (lane == 0) f.lse[row] = empty ? -INFINITY : m + __logf(l);
+}
+
+}  // namespace flashcore::decode
