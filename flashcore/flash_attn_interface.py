@@ -199,38 +199,42 @@ def _apply_rotary(x, cos, sin, positions, interleaved):
 
 
 def _append_slots(seqlens, num_new, capacity, cache, block_table, cache_batch_idx):
-    """Where the append writes, without reading any index on the host: (first, second) index the cache's first two
-    dims, (B, num_new) each; token (B, num_new) is the new token each slot receives where keep is true, else the slot
-    gets its own old value back (a no-op write).
+    """Where the append writes, without reading any index on the host (no sync, static shapes: torch.compile and
+    CUDA graphs): (first, second) index the cache's first two dims, keep says which of the B * num_new new tokens
+    are written; all flat (B * num_new,).
 
-    Entry b's token i belongs at absolute position seqlens[b] + i. The slots are the window of num_new consecutive
-    positions starting at clamp(min(seqlens[b], capacity - num_new), 0): all distinct and inside the cache, so that
-    tokens whose position is outside [0, capacity) are dropped, never written anywhere. Page numbers and cache rows
-    are clamped into the cache; a slot reached through an out-of-range one is not written either."""
+    Token i of entry b belongs at absolute position seqlens[b] + i of its cache row (dense: row cache_batch_idx[b]
+    or b) or, paged, at row p % page_size of page block_table[b, p // page_size]. A token whose position is outside
+    [0, capacity), or whose row or page is outside the cache, is dropped: it is written nowhere. Indices are
+    clamped into the tensors before any read, so nothing is accessed out of bounds whatever the values say."""
     B = seqlens.size(0)
     rows = cache.size(0)
-    s = seqlens.long()
-    start = torch.clamp(torch.clamp(s, max=capacity - num_new), min=0)
-    pos = start[:, None] + torch.arange(num_new, device=s.device)
-    token = pos - s[:, None]
-    keep = (token >= 0) & (token < num_new)
+    pos = seqlens.long()[:, None] + torch.arange(num_new, device=seqlens.device)
+    keep = (pos >= 0) & (pos < capacity)
+    pos = pos.clamp(0, capacity - 1)
     if block_table is not None:
         page_size = cache.size(1)
         page = block_table.gather(1, pos // page_size).long()
         keep = keep & (page >= 0) & (page < rows)
         first, second = page.clamp(0, rows - 1), pos % page_size
     else:
-        row = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(B, device=s.device)
+        row = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(B, device=seqlens.device)
         keep = keep & ((row >= 0) & (row < rows))[:, None]
         first, second = row.clamp(0, rows - 1)[:, None].expand(B, num_new), pos
-    return first, second, token.clamp(0, num_new - 1), keep
+    return first.reshape(-1), second.reshape(-1), keep.reshape(-1)
 
 
-def _append(cache, new, first, second, token, keep):
-    """cache[first, second] = new[b, token] where keep, else the slot's old value: one index_put_ of distinct slots."""
-    idx = token[:, :, None, None].expand(new.shape)
-    old = cache[first, second]
-    cache.index_put_((first, second), torch.where(keep[:, :, None, None], new.gather(1, idx), old))
+def _append(cache, new, first, second, keep):
+    """cache[first[j], second[j]] = new token j where keep[j], in one index_put_ and without a sync. A static-shape
+    write cannot leave tokens out, so a dropped token repeats the write of the first kept token (the same slot, the
+    same value: duplicates that agree, whatever order they land in), or, when no token is kept, writes the first
+    slot's own value back. Unlike writing a dropped token's own slot back to itself, this never races with a kept
+    token written to that slot (an out-of-range page clamped onto a page that another entry appends to)."""
+    new = new.reshape(-1, *new.shape[2:])
+    sink = torch.argmax(keep.to(torch.int32)).reshape(1)  # the first kept token (0 when none is), a 1-D index
+    sink_value = torch.where(keep[sink][:, None, None], new[sink], cache[first[sink], second[sink]])
+    value = torch.where(keep[:, None, None], new, sink_value)
+    cache.index_put_((torch.where(keep, first, first[sink]), torch.where(keep, second, second[sink])), value)
 
 
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
@@ -384,7 +388,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q = _apply_rotary(q, rotary_cos, rotary_sin, pos_q.clamp(0, last), rotary_interleaved)
         k = _apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
 
-    if Sn > 0:
+    if Sn > 0 and B > 0:
         slots = _append_slots(seqlens, Sn, capacity, k_cache, block_table, cache_batch_idx)
         _append(k_cache, k, *slots)
         _append(v_cache, v, *slots)

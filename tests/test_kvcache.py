@@ -225,6 +225,8 @@ CPU_CASES = {
     # a window as long as the cache is unbounded in flash-attn: not local, so q rotates at cache_seqlens
     "rotary_window_as_long_as_cache": dict(B=2, Sq=3, Sn=1, Hq=2, Hkv=1, lens=[4, 30], rotary="interleaved",
                                            window=(CAP, -1)),
+    "rotary_right_window_as_long_as_cache": dict(B=2, Sq=3, Sn=2, Hq=2, Hkv=1, lens=[4, 30], rotary="neox",
+                                                 window=(-1, CAP + 5)),
     "rotary_longer_table": dict(B=2, Sq=2, Sn=2, Hq=2, Hkv=2, lens=[3, 11], rotary="neox", seqlen_ro=3 * CAP,
                                 causal=True),
     # cache rows and left padding (positions and rotary are absolute: leftpad does not shift them)
@@ -241,6 +243,8 @@ CPU_CASES = {
     "overflow_dense": dict(B=4, Sq=4, Sn=4, Hq=4, Hkv=2, lens=[CAP - 2, CAP, CAP - 4, 0], causal=True),
     "overflow_paged_rotary": dict(B=3, Sq=3, Sn=3, Hq=4, Hkv=2, lens=[CAP - 1, CAP, 5], page_size=8, causal=True,
                                   rotary="interleaved"),
+    # and before position 0 (a negative length: the tokens at negative positions are dropped)
+    "overflow_negative_lens": dict(B=2, Sq=3, Sn=3, Hq=4, Hkv=2, lens=[-2, 6], causal=True),
 }
 
 
@@ -254,6 +258,35 @@ def test_kvcache_cpu(request, case, dtype):
         assert want["written"].any(), "the case appends nothing"
     if case.startswith("overflow"):  # some tokens were dropped: fewer slots written than tokens given
         assert want["written"].sum().item() < c["B"] * c["Sn"]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_invalid_indices_are_not_written_cpu(request, paged):
+    """A token whose page (or cache row) is out of range is not written anywhere, in particular not to the page or
+    row the index is clamped to; the CPU op then refuses the index, so only the append can be checked here."""
+    inputs, kw = make_case(request, "cpu", torch.float32, B=3, Sq=2, Sn=2, Hq=2, Hkv=1, D=8, capacity=CAP,
+                           lens=[7, 3, 15], page_size=8 if paged else None, batch_idx=not paged, causal=True)
+    q, kc, vc = inputs
+    if paged:  # entry 0 writes positions 7 and 8: page slots 0 and 1; entry 2 writes positions 15, 16: slots 1, 2
+        kw["block_table"][0, 0], kw["block_table"][2, 2] = -1, 10**6
+        dropped = [(0, [0]), (2, [1])]
+    else:
+        kw["cache_batch_idx"][1] = kc.size(0) + 3
+        dropped = [(1, [0, 1])]
+    kc2, vc2 = kc.clone(), vc.clone()
+    with pytest.raises(RuntimeError, match="block_table|cache_batch_idx"):
+        flash_attn_with_kvcache(q, kc2, vc2, **kw)
+    want_k, want_v = kc.clone(), vc.clone()
+    for b in range(3):
+        skip = dict(dropped).get(b, [])
+        for i in range(2):
+            if i in skip:
+                continue
+            p = int(kw["cache_seqlens"][b]) + i
+            slot = entry_slots(kc, kw, b)[p]
+            want_k[slot], want_v[slot] = kw["k"][b, i], kw["v"][b, i]
+    assert not torch.equal(want_k, kc)
+    assert torch.equal(kc2, want_k) and torch.equal(vc2, want_v)
 
 
 def test_kvcache_rotary_positions_differ_cpu(request):
