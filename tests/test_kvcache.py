@@ -577,7 +577,7 @@ GPU_VARIANT_PARAMS = [(v, m) for v in GPU_VARIANTS for m in ("decode", "decode_a
 @pytest.mark.parametrize("variant,mode", GPU_VARIANT_PARAMS, ids=[f"{v}-{m}" for v, m in GPU_VARIANT_PARAMS])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_kvcache_variants_cuda(request, variant, mode, dtype):
-    v = dict(causal=True, head_dim=128, page_size=16, **GPU_VARIANTS[variant])
+    v = {"causal": True, "head_dim": 128, "page_size": 16, **GPU_VARIANTS[variant]}
     m = dict(GPU_MODES[mode])
     if v.pop("leftpad", False):
         v["leftpad"] = [min(x, 7 * i) if x < FULL // 2 else 7 * i for i, x in enumerate(m["lens"])]
