@@ -7,8 +7,10 @@ head_dim) (BSHD), causal and sliding windows aligned bottom-right (query i sees 
 window_size as a pair or a 2-element tensor, any head dim up to 256 (padded to a multiple of 8 here, as flash-attn
 does), softmax_lse (batch, heads, seqlen_q) float32 with return_attn_probs=True. The varlen functions take
 sequences packed as (total, heads, head_dim) with int32 cu_seqlens offsets and return softmax_lse as (heads,
-total_q). What flashcore does not implement
-raises NotImplementedError naming the argument: dropout_p > 0.
+total_q). flash_attn_with_kvcache attends new queries to a dense or paged KV cache, appending new keys/values
+(rotated by rotary_cos/rotary_sin when given) into the cache in place first, as flash-attn 2.x does; its index
+arguments are read on the device without a sync (torch.compile and CUDA graphs work). What flashcore does not
+implement raises NotImplementedError naming the argument: dropout_p > 0.
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ from .ops import _check_tensor, pad_head_dim, window_pair
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
-    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+    "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
 ]
 
 _fwd_op = torch.ops.flashcore.fwd.default
 _varlen_fwd_op = torch.ops.flashcore.varlen_fwd.default
+_kvcache_fwd_op = torch.ops.flashcore.kvcache_fwd.default
 
 
 def _check_dropout(dropout_p, fn):
@@ -151,3 +154,249 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     k, v = kv.unbind(1)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, deterministic, return_attn_probs, fn)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV cache (inference): flash_attn_with_kvcache = the append (here, in PyTorch ops) + torch.ops.flashcore.kvcache_fwd
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _maybe_contiguous(x):
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+def _check_index(t, name, fn, q, dims=1):
+    """An int32 index tensor on q's device with batch rows (the op checks these too, but only after the append)."""
+    _check_tensor(t, name, fn)
+    if t.dtype != torch.int32:
+        raise RuntimeError(f"{fn}: {name} must be int32 (torch.int32); got {t.dtype}")
+    if t.device != q.device:
+        raise RuntimeError(f"{fn}: {name} is on {t.device} but q is on {q.device}")
+    if t.dim() != dims or t.size(0) != q.size(0):
+        want = "(batch,)" if dims == 1 else "(batch, max_num_blocks_per_seq)"
+        raise RuntimeError(f"{fn}: {name} must have shape {want} with batch = {q.size(0)}; got {tuple(t.shape)}")
+
+
+def _apply_rotary(x, cos, sin, positions, interleaved):
+    """x (B, S, H, D) with its first rotary_dim = 2 * cos.size(1) dims rotated by the angles at rows `positions`
+    (B, S) of cos/sin (seqlen_ro, rotary_dim / 2): interleaved rotates GPT-J pairs (x[2i], x[2i+1]), otherwise
+    GPT-NeoX halves (x[i], x[i + rotary_dim/2]). Computed in float32 (float64 for float64 x) and rounded to x's
+    dtype once, as flash-attn's kernel (and its apply_rotary_emb reference) does."""
+    half = cos.size(1)
+    if half == 0 or x.size(1) == 0:
+        return x
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    c = cos[positions].to(cdt).unsqueeze(2)  # (B, S, 1, half): one angle per position, shared by the heads
+    s = sin[positions].to(cdt).unsqueeze(2)
+    xr = x[..., : 2 * half].to(cdt)
+    if interleaved:
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    else:
+        x0, x1 = xr[..., :half], xr[..., half:]
+        rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def _append_slots(seqlens, num_new, capacity, cache, block_table, cache_batch_idx):
+    """Where the append writes, without reading any index on the host (no sync, static shapes: torch.compile and
+    CUDA graphs): (first, second) index the cache's first two dims, keep says which of the B * num_new new tokens
+    are written; all flat (B * num_new,).
+
+    Token i of entry b belongs at absolute position seqlens[b] + i of its cache row (dense: row cache_batch_idx[b]
+    or b) or, paged, at row p % page_size of page block_table[b, p // page_size]. A token whose position is outside
+    [0, capacity), or whose row or page is outside the cache, is dropped: it is written nowhere. Indices are
+    clamped into the tensors before any read, so nothing is accessed out of bounds whatever the values say."""
+    B = seqlens.size(0)
+    rows = cache.size(0)
+    pos = seqlens.long()[:, None] + torch.arange(num_new, device=seqlens.device)
+    keep = (pos >= 0) & (pos < capacity)
+    pos = pos.clamp(0, capacity - 1)
+    if block_table is not None:
+        page_size = cache.size(1)
+        page = block_table.gather(1, pos // page_size).long()
+        keep = keep & (page >= 0) & (page < rows)
+        first, second = page.clamp(0, rows - 1), pos % page_size
+    else:
+        row = cache_batch_idx.long() if cache_batch_idx is not None else torch.arange(B, device=seqlens.device)
+        keep = keep & ((row >= 0) & (row < rows))[:, None]
+        first, second = row.clamp(0, rows - 1)[:, None].expand(B, num_new), pos
+    return first.reshape(-1), second.reshape(-1), keep.reshape(-1)
+
+
+def _append(cache, new, first, second, keep):
+    """cache[first[j], second[j]] = new token j where keep[j], in one index_put_ and without a sync. A static-shape
+    write cannot leave tokens out, so a dropped token repeats the write of the first kept token (the same slot, the
+    same value: duplicates that agree, whatever order they land in), or, when no token is kept, writes the first
+    slot's own value back. Unlike writing a dropped token's own slot back to itself, this never races with a kept
+    token written to that slot (an out-of-range page clamped onto a page that another entry appends to)."""
+    new = new.reshape(-1, *new.shape[2:])
+    sink = torch.argmax(keep.to(torch.int32)).reshape(1)  # the first kept token (0 when none is), a 1-D index
+    sink_value = torch.where(keep[sink][:, None, None], new[sink], cache[first[sink], second[sink]])
+    value = torch.where(keep[:, None, None], new, sink_value)
+    cache.index_put_((torch.where(keep, first, first[sink]), torch.where(keep, second, second[sink])), value)
+
+
+def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
+                            cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
+                            causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
+                            alibi_slopes=None, num_splits=0, return_softmax_lse=False, *, sinks=None):
+    """Attention of q (batch, seqlen_q, nheads, headdim) to a KV cache, with flash-attn 2.x's signature and rules.
+
+    k_cache/v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged (num_blocks, page_block_size,
+    nheads_k, headdim) with block_table (batch, max_num_blocks_per_seq) int32 (key position p of entry b is row
+    p % page_block_size of page block_table[b, p // page_block_size]; any page size). The capacity is seqlen_cache,
+    or max_num_blocks_per_seq * page_block_size. cache_seqlens: int or int32 (batch,) tensor, the keys each entry
+    has in the cache (None: the capacity); cache_batch_idx (int32 (batch,), dense caches only) maps entries to
+    cache rows; cache_leftpad (int32 (batch,)): entry b's keys start there. Entry b attends keys
+    [cache_leftpad[b], cache_seqlens[b] + seqlen_new); causal and window_size align bottom-right to them
+    (query i sees keys up to i + seqlen_k - seqlen_q, seqlen_k counted from the left pad).
+
+    k, v (batch, seqlen_new, nheads_k, headdim): written into the caches in place at positions cache_seqlens[b] + i
+    before the attention (the caller's cache_seqlens is not changed; advance it yourself). With an int
+    cache_seqlens a k/v that does not fit raises; with a tensor nothing is read on the host (no sync: this works
+    under torch.compile and in CUDA graphs) and tokens that would land past the capacity are dropped (the attention
+    then sees the capacity's keys).
+
+    rotary_cos/rotary_sin (seqlen_ro >= capacity, rotary_dim / 2), only with k/v: q and the new k are rotated in
+    their first rotary_dim dims (rotary_interleaved: GPT-J pairs; else GPT-NeoX halves) before the append, k token
+    i at position cache_seqlens[b] + i; q token i at cache_seqlens[b] + i when causal or local, else every q token
+    at cache_seqlens[b] (flash-attn's rule; positions are absolute cache positions, cache_leftpad does not shift
+    them).
+
+    softcap, alibi_slopes ((nheads,) or (batch, nheads) float32), num_splits (key splits of the CUDA decode kernel;
+    0: automatic; ignored on the CPU) and sinks (flashcore's addition, keyword-only: float32 (nheads,) attention
+    sink logits) as in flash_attn_func. Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse
+    (batch, nheads, seqlen_q) float32) with return_softmax_lse=True. No backward (inference only)."""
+    fn = "flash_attn_with_kvcache"
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check_tensor(t, name, fn)
+        if t.dim() != 4:
+            dims = "batch, seqlen, nheads, headdim" if name == "q" else "batch_cache, seqlen_cache, nheads_k, headdim"
+            raise RuntimeError(f"{fn}: {name} must be 4-D ({dims}); got {t.dim()}-D with shape {tuple(t.shape)}")
+    B, Sq, Hq, D = q.shape
+    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if cache.dtype != q.dtype:
+            raise RuntimeError(f"{fn}: {name} has dtype {cache.dtype} but q has dtype {q.dtype}; the cache must have "
+                               "q's dtype")
+        if cache.device != q.device:
+            raise RuntimeError(f"{fn}: {name} is on {cache.device} but q is on {q.device}")
+        if cache.stride(-1) != 1:
+            raise RuntimeError(f"{fn}: {name} must have a contiguous last dimension (it is read and updated in place)")
+    if v_cache.shape != k_cache.shape:
+        raise RuntimeError(f"{fn}: v_cache must have k_cache's shape {tuple(k_cache.shape)}; got "
+                           f"{tuple(v_cache.shape)}")
+    if k_cache.size(3) != D:
+        raise RuntimeError(f"{fn}: k_cache has head dim {k_cache.size(3)} but q has {D}")
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise RuntimeError(f"{fn}: cache_batch_idx cannot be combined with block_table (a paged cache maps batch "
+                               "entries to pages through block_table)")
+        _check_index(block_table, "block_table", fn, q, dims=2)
+        capacity = block_table.size(1) * k_cache.size(1)
+    else:
+        capacity = k_cache.size(1)
+    for t, name in ((cache_batch_idx, "cache_batch_idx"), (cache_leftpad, "cache_leftpad")):
+        if t is not None:
+            _check_index(t, name, fn, q)
+
+    Sn = 0
+    if (k is None) != (v is None):
+        raise RuntimeError(f"{fn}: k and v (the new keys and values to append) must be given together; got only "
+                           f"{'k' if v is None else 'v'}")
+    if k is not None:
+        _check_tensor(k, "k", fn)
+        _check_tensor(v, "v", fn)
+        want = (B, k.size(1) if k.dim() == 4 else -1, k_cache.size(2), D)
+        for t, name in ((k, "k"), (v, "v")):
+            if t.dim() != 4 or tuple(t.shape) != want:
+                raise RuntimeError(f"{fn}: {name} must have shape (batch, seqlen_new, nheads_k, headdim) = "
+                                   f"{tuple(want)} (batch and headdim of q, nheads_k of the cache, k's seqlen_new); "
+                                   f"got {tuple(t.shape)}")
+            if t.dtype != q.dtype or t.device != q.device:
+                raise RuntimeError(f"{fn}: {name} must have q's dtype and device ({q.dtype}, {q.device}); got "
+                                   f"{t.dtype} on {t.device}")
+        Sn = k.size(1)
+        if Sn > capacity:
+            raise RuntimeError(f"{fn}: k has seqlen_new = {Sn} new tokens but the cache holds at most {capacity} "
+                               "keys per sequence")
+        if B > 0 and k_cache.size(0) == 0:
+            raise RuntimeError(f"{fn}: k_cache has no {'pages' if block_table is not None else 'rows'} to append to")
+
+    if cache_seqlens is None:
+        if k is not None:
+            raise RuntimeError(f"{fn}: cache_seqlens is required with k/v (it says where to append them)")
+        seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, (int, torch.SymInt)) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - Sn:
+            raise ValueError(f"{fn}: cache_seqlens = {cache_seqlens}" + (f" plus {Sn} new tokens (k)" if Sn else "")
+                             + f" does not fit the cache's capacity of {capacity} keys")
+        seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    elif isinstance(cache_seqlens, torch.Tensor):
+        _check_index(cache_seqlens, "cache_seqlens", fn, q)
+        seqlens = cache_seqlens
+    else:
+        raise TypeError(f"{fn}: cache_seqlens must be an int or an int32 tensor of shape (batch,); got "
+                        f"{type(cache_seqlens).__name__}")
+
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise RuntimeError(f"{fn}: rotary_cos and rotary_sin must be given together; got only "
+                           f"{'rotary_cos' if rotary_sin is None else 'rotary_sin'}")
+    if rotary_cos is not None:
+        _check_tensor(rotary_cos, "rotary_cos", fn)
+        _check_tensor(rotary_sin, "rotary_sin", fn)
+        if k is None:
+            raise RuntimeError(f"{fn}: rotary_cos/rotary_sin need the new k and v to append (as in flash-attn)")
+        if rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape:
+            raise RuntimeError(f"{fn}: rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2); got "
+                               f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        if 2 * rotary_cos.size(1) > D:
+            raise RuntimeError(f"{fn}: rotary_dim = 2 * rotary_cos.size(1) = {2 * rotary_cos.size(1)} exceeds the "
+                               f"head dim {D}")
+        if rotary_cos.size(0) < capacity:
+            raise RuntimeError(f"{fn}: rotary_cos/rotary_sin have {rotary_cos.size(0)} positions (seqlen_ro) but the "
+                               f"cache holds {capacity}; seqlen_ro must be at least the cache's capacity")
+        for t, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
+            if t.device != q.device or not t.is_floating_point():
+                raise RuntimeError(f"{fn}: {name} must be a floating-point tensor on q's device ({q.device}); got "
+                                   f"{t.dtype} on {t.device}")
+
+    left, right = window_pair(window_size, fn)
+    if causal:
+        right = 0
+    # flash-attn's mha_fwd_kvcache: a window side as long as the cache is unbounded (-1); that also decides whether
+    # the call is "local" for the rotary positions of q below.
+    left = -1 if left >= capacity else left
+    right = -1 if right >= capacity else right
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
+
+    if rotary_cos is not None:
+        # Positions as flash-attn's kernel reads cos/sin (csrc/flash_attn/src/flash_fwd_kernel.h,
+        # compute_attn_1rowblock_splitkv: row_offset_cossin = (seqlen_k_cache + leftpad_k [+ m_block * kBlockM if
+        # Is_causal || Is_local]), and for k (n_block * kBlockN + leftpad_k), seqlen_k_cache being
+        # cache_seqlens - leftpad_k in block_info.h): absolute cache positions, new k token i at cache_seqlens + i,
+        # q token i at cache_seqlens + i when causal or local, else all at cache_seqlens; the reference in
+        # tests/test_flash_attn.py::test_flash_attn_kvcache rotates with seqlen_offsets=cache_seqlens, with or
+        # without cache_leftpad. Clamped into the table: nothing reads outside it, whatever cache_seqlens says.
+        last = rotary_cos.size(0) - 1
+        start = seqlens.long()[:, None]
+        pos_k = (start + torch.arange(Sn, device=q.device)).clamp(0, last)
+        per_token = causal or left >= 0 or right >= 0
+        pos_q = (start + torch.arange(Sq, device=q.device)) if per_token else start.expand(B, Sq)
+        q = _apply_rotary(q, rotary_cos, rotary_sin, pos_q.clamp(0, last), rotary_interleaved)
+        k = _apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
+
+    if Sn > 0 and B > 0:
+        slots = _append_slots(seqlens, Sn, capacity, k_cache, block_table, cache_batch_idx)
+        _append(k_cache, k, *slots)
+        _append(v_cache, v, *slots)
+        seqlens = torch.clamp(seqlens + Sn, max=capacity)  # tokens past the capacity were dropped
+
+    (qp, kc, vc), head_dim = pad_head_dim([q, k_cache, v_cache])  # CUDA, head dim not a multiple of 8: copies
+    out, lse = _kvcache_fwd_op(qp, kc, vc, seqlens, block_table, cache_batch_idx, cache_leftpad, float(softmax_scale),
+                               bool(causal), left, right, float(softcap), sinks, alibi_slopes, int(num_splits))
+    if out.size(-1) != head_dim:
+        out = out[..., :head_dim]
+    return (out, lse) if return_softmax_lse else out

@@ -1,0 +1,652 @@
+"""KV-cache attention: flashcore.flash_attn_interface.flash_attn_with_kvcache (flash-attn 2.x's function) and the op
+under it, torch.ops.flashcore.kvcache_fwd. Each batch entry's output must equal attention over that entry's keys
+alone, gathered from the cache after the append by independent code (a Python loop over positions and pages), by
+the suite's one rule (float64 reference, PyTorch's own low-precision answer as the yardstick), out and lse. The
+caches after the append must equal an independent append (dropped writes included) exactly; rotated keys within
+a rounding of the float64 rotation. Covers dense and paged caches, cache_batch_idx, cache_leftpad, decode and
+chunked prefill, GQA/MQA/MHA, rotary embeddings in both forms (flash-attn's position rule), every variant, mixed
+cache lengths (0 and full), tokens past the capacity, errors naming the argument, opcheck, torch.compile and CUDA
+graphs."""
+
+import inspect
+import math
+
+import pytest
+import torch
+
+from conftest import (UNIT_ROUNDOFF, capture_graph, check_close, cuda_skip_reason, lowp_attention, lowp_lse,
+                      make_generator, reference_attention)
+from flashcore.flash_attn_interface import flash_attn_with_kvcache
+
+requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
+
+FULL = 10**9  # in a list of cache lengths, FULL - n stands for the capacity minus n (paged capacities vary)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cases and the independent reference
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def make_case(request, device, dtype, *, B, Sq, Hq, Hkv, D, capacity, lens, Sn=0, page_size=None, leftpad=None,
+              batch_idx=False, rotary=None, rotary_dim=None, int_lens=False, causal=False, window=(-1, -1),
+              softcap=0.0, sinks=False, alibi=None, num_splits=0, seqlen_ro=None):
+    """Inputs of one call as (args, kwargs) of flash_attn_with_kvcache. lens: the cache lengths before the append
+    (a list, FULL - n meaning capacity - n; an int with int_lens; None: none); leftpad: a list; rotary: "interleaved" or "neox" (rotary_dim dims, default D
+    rounded down to even); alibi: "head" or "batch". A paged cache's pages are scattered over a pool larger than the
+    batch needs (block_table a random permutation); a dense one with batch_idx has extra rows, entries mapped to a
+    random permutation of them."""
+    g = make_generator(request, device)
+    gcpu = make_generator(request)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
+
+    scale_qk = 3.0 if softcap else 1.0
+    q = rnd(B, Sq, Hq, D, scale=scale_qk)
+    kw = dict(causal=causal, window_size=window, softcap=softcap, num_splits=num_splits, return_softmax_lse=True)
+    if page_size:
+        max_pages = -(-capacity // page_size)
+        num_pages = B * max_pages + 5
+        k_cache, v_cache = rnd(num_pages, page_size, Hkv, D, scale=scale_qk), rnd(num_pages, page_size, Hkv, D)
+        perm = torch.randperm(num_pages, generator=gcpu)[: B * max_pages].view(B, max_pages)
+        kw["block_table"] = perm.to(torch.int32).to(device)
+    else:
+        rows = B + 3 if batch_idx else B
+        k_cache, v_cache = rnd(rows, capacity, Hkv, D, scale=scale_qk), rnd(rows, capacity, Hkv, D)
+        if batch_idx:
+            kw["cache_batch_idx"] = torch.randperm(rows, generator=gcpu)[:B].to(torch.int32).to(device)
+    cap = k_cache.size(1) * kw["block_table"].size(1) if page_size else capacity
+    if lens is not None and not int_lens:
+        lens = [cap - (FULL - x) if x >= FULL // 2 else x for x in lens]
+        kw["cache_seqlens"] = torch.tensor(lens, dtype=torch.int32, device=device)
+    elif lens is not None:
+        kw["cache_seqlens"] = lens
+    if leftpad is not None:
+        kw["cache_leftpad"] = torch.tensor(leftpad, dtype=torch.int32, device=device)
+    if Sn:
+        kw["k"], kw["v"] = rnd(B, Sn, Hkv, D, scale=scale_qk), rnd(B, Sn, Hkv, D)
+    if rotary:
+        rd = rotary_dim if rotary_dim is not None else D // 2 * 2
+        angle = torch.rand(seqlen_ro or cap, rd // 2, generator=g, device=device) * 2 * math.pi
+        kw["rotary_cos"], kw["rotary_sin"] = torch.cos(angle).to(dtype), torch.sin(angle).to(dtype)
+        kw["rotary_interleaved"] = rotary == "interleaved"
+    if sinks:
+        kw["sinks"] = torch.randn(Hq, generator=g, device=device) * 2
+    if alibi:
+        kw["alibi_slopes"] = torch.rand((Hq,) if alibi == "head" else (B, Hq), generator=g, device=device) * 0.3
+    return (q, k_cache, v_cache), kw
+
+
+def capacity_of(k_cache, kw):
+    bt = kw.get("block_table")
+    return k_cache.size(1) * bt.size(1) if bt is not None else k_cache.size(1)
+
+
+def entry_slots(k_cache, kw, b):
+    """(cache index, position) of every position of entry b's sequence: a Python list (independent of the append)."""
+    bt, idx = kw.get("block_table"), kw.get("cache_batch_idx")
+    if bt is not None:
+        ps = k_cache.size(1)
+        return [(int(bt[b, p // ps]), p % ps) for p in range(capacity_of(k_cache, kw))]
+    row = b if idx is None else int(idx[b])
+    return [(row, p) for p in range(k_cache.size(1))]
+
+
+def lens_list(kw, B, k_cache):
+    lens = kw.get("cache_seqlens")
+    if lens is None:
+        return [capacity_of(k_cache, kw)] * B
+    return [lens] * B if isinstance(lens, int) else [int(x) for x in lens]
+
+
+def reference_rotary(x, cos, sin, positions, interleaved):
+    """float64 rotation as a complex product (x0 + i x1) * (cos + i sin) per pair, rounded to x's dtype: pairs
+    (x[2j], x[2j+1]) interleaved (GPT-J), (x[j], x[j + rotary_dim/2]) otherwise (GPT-NeoX). positions (B, S)."""
+    half = cos.size(1)
+    xd = x.double()
+    r = xd[..., : 2 * half]
+    pairs = r.unflatten(-1, (half, 2)) if interleaved else torch.stack((r[..., :half], r[..., half:]), -1)
+    w = torch.complex(cos.double()[positions], sin.double()[positions])[:, :, None, :]  # (B, S, 1, half)
+    z = torch.view_as_real(torch.view_as_complex(pairs.contiguous()) * w)
+    rot = z.flatten(-2) if interleaved else torch.cat((z[..., 0], z[..., 1]), -1)
+    return torch.cat((rot, xd[..., 2 * half:]), -1).to(x.dtype)
+
+
+def expected(inputs, kw):
+    """The reference of one call: the caches after an independent append, the mask of the slots it wrote, and per
+    entry the float64 attention (out, lse) and PyTorch's own low-precision answer, packed like flashcore's output."""
+    q, k_cache, v_cache = inputs
+    B, Sq, Hq, D = q.shape
+    cap = capacity_of(k_cache, kw)
+    lens = lens_list(kw, B, k_cache)
+    k_new, v_new = kw.get("k"), kw.get("v")
+    Sn = 0 if k_new is None else k_new.size(1)
+    causal = kw["causal"]
+    left, right = (int(x) for x in kw["window_size"])
+    right = 0 if causal else right
+    left, right = (-1 if left >= cap else left), (-1 if right >= cap else right)  # flash-attn's mha_fwd_kvcache
+    if kw.get("rotary_cos") is not None:
+        cos, sin, inter = kw["rotary_cos"], kw["rotary_sin"], kw["rotary_interleaved"]
+        last = cos.size(0) - 1
+        local = causal or left >= 0 or right >= 0
+        pos_q = torch.tensor([[min(max(lens[b] + (i if local else 0), 0), last) for i in range(Sq)] for b in range(B)])
+        pos_k = torch.tensor([[min(max(lens[b] + i, 0), last) for i in range(Sn)] for b in range(B)])
+        q = reference_rotary(q, cos, sin, pos_q.to(q.device), inter)
+        k_new = reference_rotary(k_new, cos, sin, pos_k.to(q.device), inter)
+    k_ref, v_ref = k_cache.clone(), v_cache.clone()
+    written = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=k_cache.device)
+    for b in range(B):
+        slots = entry_slots(k_cache, kw, b)
+        for i in range(Sn):
+            p = lens[b] + i
+            if 0 <= p < cap:  # else dropped: past the capacity
+                k_ref[slots[p]] = k_new[b, i]
+                v_ref[slots[p]] = v_new[b, i]
+                written[slots[p]] = True
+    pad = kw.get("cache_leftpad")
+    ref_out, ref_lse, low_out, low_lse = [], [], [], []
+    for b in range(B):
+        hi = min(lens[b] + Sn, cap)
+        lo = 0 if pad is None else int(pad[b])
+        slots = torch.tensor(entry_slots(k_ref, kw, b)[lo:hi], dtype=torch.long).view(-1, 2).to(k_ref.device)
+        keys, vals = k_ref[slots[:, 0], slots[:, 1]], v_ref[slots[:, 0], slots[:, 1]]
+        qb, kb, vb = q[b].transpose(0, 1)[None], keys.transpose(0, 1)[None], vals.transpose(0, 1)[None]
+        alibi = kw.get("alibi_slopes")
+        mask = dict(causal=causal, causal_offset=kb.size(2) - Sq, window=(left, right), softcap=kw["softcap"],
+                    sinks=kw.get("sinks"),
+                    alibi=None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b:b + 1]))
+        o, l = reference_attention(qb, kb, vb, **mask)
+        ref_out.append(o[0].transpose(0, 1))
+        ref_lse.append(l[0])
+        low_out.append(lowp_attention(qb, kb, vb, **mask)[0].transpose(0, 1))
+        low_lse.append(l[0] if q.dtype == torch.float64 else lowp_lse(qb, kb, **mask)[0])
+    return dict(k_cache=k_ref, v_cache=v_ref, written=written, out=torch.stack(ref_out), lse=torch.stack(ref_lse),
+                low_out=torch.stack(low_out), low_lse=torch.stack(low_lse))
+
+
+def check_caches(k_cache, v_cache, want, rotary):
+    """v exactly; k exactly too, except rotated keys (flashcore rotates in float32): within two roundings."""
+    assert torch.equal(v_cache, want["v_cache"]), "v_cache after the append differs from the reference append"
+    if not rotary:
+        assert torch.equal(k_cache, want["k_cache"]), "k_cache after the append differs from the reference append"
+        return
+    w = want["written"]
+    assert torch.equal(k_cache[~w], want["k_cache"][~w]), "the append changed k_cache slots it must not write"
+    got, ref = k_cache[w].double(), want["k_cache"][w].double()
+    u = UNIT_ROUNDOFF[k_cache.dtype] if k_cache.dtype != torch.float64 else UNIT_ROUNDOFF[torch.float32]
+    torch.testing.assert_close(got, ref, rtol=2 * u, atol=8 * u * ref.abs().max().item())
+
+
+def run_case(inputs, kw, check_cache=True):
+    """flash_attn_with_kvcache on copies of the caches, checked against expected(): out, lse, the caches, and that
+    the caller's cache_seqlens is unchanged."""
+    q, k_cache, v_cache = inputs
+    want = expected(inputs, kw)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    lens = kw.get("cache_seqlens")
+    lens_before = lens.clone() if isinstance(lens, torch.Tensor) else lens
+    out, lse = flash_attn_with_kvcache(q, kc, vc, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    assert lse.shape == (q.size(0), q.size(2), q.size(1)) and lse.dtype == lse_dtype
+    check_close("out", out, want["out"], want["low_out"])
+    check_close("lse", lse, want["lse"], want["low_lse"], dtype=lse_dtype)
+    if isinstance(lens, torch.Tensor):
+        assert torch.equal(lens, lens_before), "cache_seqlens was modified"
+    if check_cache:
+        check_caches(kc, vc, want, kw.get("rotary_cos") is not None)
+    return out, lse, kc, vc, want
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# CPU
+# ---------------------------------------------------------------------------------------------------------------
+
+CAP = 40  # dense capacity; paged: 5 pages of 8
+CPU_CASES = {
+    # decode against a filled cache (no append): empty, partial and full entries
+    "dense_decode": dict(B=3, Sq=1, Hq=4, Hkv=2, lens=[0, 17, CAP]),
+    "paged_decode_mqa": dict(B=3, Sq=1, Hq=4, Hkv=1, lens=[CAP, 0, 9], page_size=8),
+    "none_lens_mha": dict(B=2, Sq=3, Hq=2, Hkv=2, lens=None),
+    # decode with the append of one token
+    "dense_append_decode": dict(B=3, Sq=1, Sn=1, Hq=4, Hkv=2, lens=[0, 17, CAP - 1], causal=True),
+    "paged_append_decode": dict(B=3, Sq=1, Sn=1, Hq=4, Hkv=2, lens=[7, 0, 31], page_size=8, causal=True),
+    # chunked prefill: Sq = Sn new tokens, causal; a chunk crossing pages
+    "paged_prefill": dict(B=3, Sq=6, Sn=6, Hq=4, Hkv=2, lens=[0, 5, 34], page_size=8, causal=True),
+    "dense_prefill_int_lens": dict(B=2, Sq=5, Sn=5, Hq=4, Hkv=2, lens=12, int_lens=True, causal=True),
+    "dense_queries_more_than_new": dict(B=3, Sq=5, Sn=2, Hq=4, Hkv=2, lens=[3, 0, 20], causal=True),
+    # rotary, both forms; q positions per token (causal, local) or all at cache_seqlens (neither)
+    "rotary_neox_causal": dict(B=3, Sq=4, Sn=4, Hq=4, Hkv=2, lens=[0, 9, 30], page_size=8, causal=True,
+                               rotary="neox"),
+    "rotary_interleaved_noncausal": dict(B=3, Sq=3, Sn=2, Hq=4, Hkv=2, lens=[1, 20, 38], rotary="interleaved"),
+    "rotary_partial_local": dict(B=2, Sq=3, Sn=3, Hq=4, Hkv=2, lens=[5, 22], rotary="neox", rotary_dim=8,
+                                 window=(6, 1)),
+    # a window as long as the cache is unbounded in flash-attn: not local, so q rotates at cache_seqlens
+    "rotary_window_as_long_as_cache": dict(B=2, Sq=3, Sn=1, Hq=2, Hkv=1, lens=[4, 30], rotary="interleaved",
+                                           window=(CAP, -1)),
+    "rotary_right_window_as_long_as_cache": dict(B=2, Sq=3, Sn=2, Hq=2, Hkv=1, lens=[4, 30], rotary="neox",
+                                                 window=(-1, CAP + 5)),
+    "rotary_longer_table": dict(B=2, Sq=2, Sn=2, Hq=2, Hkv=2, lens=[3, 11], rotary="neox", seqlen_ro=3 * CAP,
+                                causal=True),
+    # cache rows and left padding (positions and rotary are absolute: leftpad does not shift them)
+    "batch_idx_leftpad": dict(B=3, Sq=2, Sn=2, Hq=4, Hkv=2, lens=[10, 3, 25], leftpad=[4, 3, 0], batch_idx=True,
+                              causal=True, rotary="interleaved"),
+    "paged_leftpad_alibi": dict(B=3, Sq=3, Sn=1, Hq=4, Hkv=2, lens=[19, 2, 30], leftpad=[9, 0, 17], page_size=8,
+                                alibi="batch", causal=True),
+    # variants
+    "softcap_sinks": dict(B=3, Sq=4, Sn=2, Hq=4, Hkv=2, lens=[0, 13, 30], softcap=8.0, sinks=True, causal=True),
+    "window_alibi_head": dict(B=2, Sq=5, Sn=3, Hq=4, Hkv=2, lens=[6, 25], window=(7, 2), alibi="head"),
+    "all_variants": dict(B=3, Sq=3, Sn=3, Hq=4, Hkv=1, lens=[2, 16, 33], page_size=8, window=(9, -1), causal=True,
+                         softcap=10.0, sinks=True, alibi="batch", rotary="neox", num_splits=3),
+    # tokens past the capacity: dropped, never written; the attention sees the capacity's keys
+    "overflow_dense": dict(B=4, Sq=4, Sn=4, Hq=4, Hkv=2, lens=[CAP - 2, CAP, CAP - 4, 0], causal=True),
+    "overflow_paged_rotary": dict(B=3, Sq=3, Sn=3, Hq=4, Hkv=2, lens=[CAP - 1, CAP, 5], page_size=8, causal=True,
+                                  rotary="interleaved"),
+    # and before position 0 (a negative length: the tokens at negative positions are dropped)
+    "overflow_negative_lens": dict(B=2, Sq=3, Sn=3, Hq=4, Hkv=2, lens=[-2, 6], causal=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CPU_CASES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_kvcache_cpu(request, case, dtype):
+    c = dict(CPU_CASES[case])
+    inputs, kw = make_case(request, "cpu", dtype, D=20, capacity=CAP, **c)
+    out, lse, kc, vc, want = run_case(inputs, kw)
+    if c.get("Sn"):
+        assert want["written"].any(), "the case appends nothing"
+    if case.startswith("overflow"):  # some tokens were dropped: fewer slots written than tokens given
+        assert want["written"].sum().item() < c["B"] * c["Sn"]
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_kvcache_invalid_indices_are_not_written_cpu(request, paged):
+    """A token whose page (or cache row) is out of range is not written anywhere, in particular not to the page or
+    row the index is clamped to; the CPU op then refuses the index, so only the append can be checked here."""
+    inputs, kw = make_case(request, "cpu", torch.float32, B=3, Sq=2, Sn=2, Hq=2, Hkv=1, D=8, capacity=CAP,
+                           lens=[7, 3, 15], page_size=8 if paged else None, batch_idx=not paged, causal=True)
+    q, kc, vc = inputs
+    if paged:  # entry 0 writes positions 7 and 8: page slots 0 and 1; entry 2 writes positions 15, 16: slots 1, 2
+        kw["block_table"][0, 0], kw["block_table"][2, 2] = -1, 10**6
+        dropped = [(0, [0]), (2, [1])]
+    else:
+        kw["cache_batch_idx"][1] = kc.size(0) + 3
+        dropped = [(1, [0, 1])]
+    kc2, vc2 = kc.clone(), vc.clone()
+    with pytest.raises(RuntimeError, match="block_table|cache_batch_idx"):
+        flash_attn_with_kvcache(q, kc2, vc2, **kw)
+    want_k, want_v = kc.clone(), vc.clone()
+    for b in range(3):
+        skip = dict(dropped).get(b, [])
+        for i in range(2):
+            if i in skip:
+                continue
+            p = int(kw["cache_seqlens"][b]) + i
+            slot = entry_slots(kc, kw, b)[p]
+            want_k[slot], want_v[slot] = kw["k"][b, i], kw["v"][b, i]
+    assert not torch.equal(want_k, kc)
+    assert torch.equal(kc2, want_k) and torch.equal(vc2, want_v)
+
+
+def test_kvcache_rotary_positions_differ_cpu(request):
+    """The q rotary rule matters: the same call with the positions of the other rule gives a different output (the
+    test above can tell the two apart), and causal rotates q per token."""
+    inputs, kw = make_case(request, "cpu", torch.float64, B=2, Sq=3, Sn=1, Hq=2, Hkv=1, D=16, capacity=CAP,
+                           lens=[4, 30], rotary="neox")
+    out_noncausal = expected(inputs, kw)["out"]
+    kw_local = dict(kw, window_size=(CAP - 1, -1))  # local now: q tokens at cache_seqlens + i
+    out_local = expected(inputs, kw_local)["out"]
+    assert not torch.allclose(out_noncausal, out_local)
+    run_case(inputs, kw_local)
+
+
+def test_kvcache_matches_dense_attention_cpu(request):
+    """A full dense cache without append is flash_attn_func on the cache itself (bottom-right causal)."""
+    from flashcore.flash_attn_interface import flash_attn_func
+
+    inputs, kw = make_case(request, "cpu", torch.float32, B=2, Sq=7, Hq=4, Hkv=2, D=32, capacity=CAP, lens=[CAP, CAP],
+                           causal=True)
+    q, kc, vc = inputs
+    out = flash_attn_with_kvcache(q, kc, vc, causal=True)
+    torch.testing.assert_close(out, flash_attn_func(q, kc, vc, causal=True), rtol=0, atol=0)
+
+
+def test_kvcache_empty_new_tokens_cpu(request):
+    """k/v with seqlen_new = 0 append nothing: the same as no k/v."""
+    inputs, kw = make_case(request, "cpu", torch.float32, B=2, Sq=2, Hq=2, Hkv=2, D=16, capacity=CAP, lens=[3, 9],
+                           causal=True)
+    q, kc, vc = inputs
+    e = kc.new_zeros(2, 0, 2, 16)
+    kc2, vc2 = kc.clone(), vc.clone()
+    a = flash_attn_with_kvcache(q, kc2, vc2, e, e, **kw)
+    b = flash_attn_with_kvcache(q, kc, vc, **kw)
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    run_case(inputs, dict(kw, k=e, v=e))
+
+
+def test_kvcache_signature():
+    """flash-attn 2.x's positional order and defaults; sinks keyword-only; out alone by default."""
+    sig = inspect.signature(flash_attn_with_kvcache)
+    assert list(sig.parameters) == [
+        "q", "k_cache", "v_cache", "k", "v", "rotary_cos", "rotary_sin", "cache_seqlens", "cache_batch_idx",
+        "cache_leftpad", "block_table", "softmax_scale", "causal", "window_size", "softcap", "rotary_interleaved",
+        "alibi_slopes", "num_splits", "return_softmax_lse", "sinks"]
+    defaults = {n: p.default for n, p in sig.parameters.items() if p.default is not inspect.Parameter.empty}
+    assert defaults == dict(k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None, cache_batch_idx=None,
+                            cache_leftpad=None, block_table=None, softmax_scale=None, causal=False,
+                            window_size=(-1, -1), softcap=0.0, rotary_interleaved=True, alibi_slopes=None,
+                            num_splits=0, return_softmax_lse=False, sinks=None)
+    assert sig.parameters["sinks"].kind is inspect.Parameter.KEYWORD_ONLY
+    import flashcore.flash_attn_interface as fai
+
+    assert "flash_attn_with_kvcache" in fai.__all__
+    q, c = torch.randn(1, 1, 2, 8), torch.randn(1, 4, 2, 8)
+    out = flash_attn_with_kvcache(q, c, c, cache_seqlens=3)
+    assert isinstance(out, torch.Tensor) and out.shape == q.shape
+    # positional flash-attn call: softmax_scale, causal, window_size as a tensor
+    out2 = flash_attn_with_kvcache(q, c, c, None, None, None, None, 3, None, None, None, 0.5, True,
+                                   torch.tensor([-1, -1]))
+    want, _ = reference_attention(q.transpose(1, 2), c[:, :3].transpose(1, 2), c[:, :3].transpose(1, 2), scale=0.5)
+    torch.testing.assert_close(out2, want.transpose(1, 2).float(), rtol=1e-5, atol=1e-6)
+
+
+def _small(device="cpu", dtype=torch.float32, paged=False):
+    q = torch.randn(2, 3, 4, 16, device=device, dtype=dtype)
+    if paged:
+        kc = torch.randn(6, 8, 2, 16, device=device, dtype=dtype)
+        extra = dict(block_table=torch.arange(6, dtype=torch.int32, device=device).view(2, 3))
+    else:
+        kc = torch.randn(2, 24, 2, 16, device=device, dtype=dtype)
+        extra = {}
+    k = torch.randn(2, 3, 2, 16, device=device, dtype=dtype)
+    return q, kc, kc.clone(), k, k.clone(), extra
+
+
+BAD_CALLS = {
+    "q_3d": (lambda q, kc, vc, k, v, x: ((q[0], kc, vc), {}), "q must be 4-D"),
+    "k_cache_3d": (lambda q, kc, vc, k, v, x: ((q, kc[0], vc), {}), "k_cache must be 4-D"),
+    "k_without_v": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k), dict(cache_seqlens=3)), "got only k"),
+    "v_without_k": (lambda q, kc, vc, k, v, x: ((q, kc, vc, None, v), dict(cache_seqlens=3)), "got only v"),
+    "k_heads": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k[:, :, :1], v[:, :, :1]), dict(cache_seqlens=3)),
+                "k must have shape"),
+    "v_shape": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k, v[:, :2]), dict(cache_seqlens=3)), "v must have shape"),
+    "k_batch": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k[:1], v[:1]), dict(cache_seqlens=3)), "k must have shape"),
+    "k_dtype": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k.double(), v.double()), dict(cache_seqlens=3)),
+                "k must have q's dtype"),
+    "k_cache_dtype": (lambda q, kc, vc, k, v, x: ((q, kc.double(), vc), dict(cache_seqlens=3)),
+                      "k_cache has dtype torch.float64"),
+    "v_cache_dtype": (lambda q, kc, vc, k, v, x: ((q, kc, vc.half()), dict(cache_seqlens=3)),
+                      "v_cache has dtype torch.float16"),
+    "v_cache_shape": (lambda q, kc, vc, k, v, x: ((q, kc, vc[:, :5]), dict(cache_seqlens=3)),
+                      "v_cache must have k_cache's shape"),
+    "head_dim": (lambda q, kc, vc, k, v, x: ((q[..., :8], kc, vc), dict(cache_seqlens=3)), "head dim"),
+    "lens_dtype": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=torch.tensor([3, 4]))),
+                   "cache_seqlens must be int32"),
+    "lens_shape": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=torch.tensor([3], dtype=torch.int32))),
+                   "cache_seqlens must have shape"),
+    "lens_type": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=[3, 4])), "cache_seqlens must be an int"),
+    "lens_none_with_k": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k, v), {}), "cache_seqlens is required"),
+    "int_lens_too_long": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k, v), dict(cache_seqlens=22)),
+                          "cache_seqlens = 22 plus 3 new tokens"),
+    "int_lens_negative": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=-1)), "cache_seqlens = -1"),
+    "k_longer_than_cache": (lambda q, kc, vc, k, v, x: ((q, kc[:, :2], vc[:, :2], k, v),
+                                                        dict(cache_seqlens=torch.zeros(2, dtype=torch.int32))),
+                            "seqlen_new = 3"),
+    "table_with_batch_idx": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(
+        cache_seqlens=3, block_table=torch.zeros(2, 3, dtype=torch.int32),
+        cache_batch_idx=torch.zeros(2, dtype=torch.int32))), "cache_batch_idx cannot be combined with block_table"),
+    "table_dtype": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=3, block_table=torch.zeros(2, 3).long())),
+                    "block_table must be int32"),
+    "table_1d": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=3,
+                                                               block_table=torch.zeros(2, dtype=torch.int32))),
+                 "block_table must have shape"),
+    "batch_idx_dtype": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=3,
+                                                                      cache_batch_idx=torch.zeros(2).long())),
+                        "cache_batch_idx must be int32"),
+    "leftpad_shape": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=3,
+                                                                    cache_leftpad=torch.zeros(3, dtype=torch.int32))),
+                      "cache_leftpad must have shape"),
+    "cos_without_sin": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k, v), dict(cache_seqlens=3,
+                                                                            rotary_cos=torch.ones(24, 4))),
+                        "got only rotary_cos"),
+    "sin_without_cos": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k, v), dict(cache_seqlens=3,
+                                                                            rotary_sin=torch.ones(24, 4))),
+                        "got only rotary_sin"),
+    "rotary_dim_too_large": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k, v), dict(
+        cache_seqlens=3, rotary_cos=torch.ones(24, 9), rotary_sin=torch.ones(24, 9))), "rotary_dim = 2 \\* rotary_cos"),
+    "rotary_table_short": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k, v), dict(
+        cache_seqlens=3, rotary_cos=torch.ones(20, 4), rotary_sin=torch.ones(20, 4))), "seqlen_ro"),
+    "rotary_shapes_differ": (lambda q, kc, vc, k, v, x: ((q, kc, vc, k, v), dict(
+        cache_seqlens=3, rotary_cos=torch.ones(24, 4), rotary_sin=torch.ones(24, 2))), "rotary_cos and rotary_sin"),
+    "rotary_without_k": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(
+        cache_seqlens=3, rotary_cos=torch.ones(24, 4), rotary_sin=torch.ones(24, 4))), "need the new k and v"),
+    "window_type": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=3, window_size=5)), "window_size"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_CALLS))
+def test_kvcache_errors_name_the_argument(name):
+    """Bad arguments raise before anything is written: the caches are unchanged after the error."""
+    make, match = BAD_CALLS[name]
+    q, kc, vc, k, v, _ = _small()
+    args, kwargs = make(q, kc, vc, k, v, None)
+    before = [t.clone() for t in args[1:3]]
+    with pytest.raises((RuntimeError, ValueError, TypeError), match=match):
+        flash_attn_with_kvcache(*args, **kwargs)
+    assert all(torch.equal(a, b) for a, b in zip(args[1:3], before)), "a failed call modified the cache"
+
+
+def test_kvcache_op_validates_values_cpu():
+    """The op on the CPU validates the index tensors' values (the CUDA op clamps them instead)."""
+    q, kc, vc, _, _, extra = _small(paged=True)
+    op = torch.ops.flashcore.kvcache_fwd
+    lens = torch.tensor([5, 24], dtype=torch.int32)
+    bt = extra["block_table"]
+    with pytest.raises(RuntimeError, match="cache_seqlens\\[1\\] = 25"):
+        op(q, kc, vc, lens + 1, bt, None, None, 0.25)
+    with pytest.raises(RuntimeError, match="block_table\\[0, 0\\] = 6"):
+        op(q, kc, vc, lens, bt + 6, None, None, 0.25)
+    with pytest.raises(RuntimeError, match="cache_leftpad\\[0\\] = 6"):
+        op(q, kc, vc, lens, bt, None, torch.tensor([6, 0], dtype=torch.int32), 0.25)
+    q, kc, vc, _, _, _ = _small()
+    with pytest.raises(RuntimeError, match="cache_batch_idx\\[1\\] = 2"):
+        op(q, kc, vc, lens, None, torch.tensor([0, 2], dtype=torch.int32), None, 0.25)
+    with pytest.raises(RuntimeError, match="key_cache has dtype"):
+        op(q, kc.double(), vc, lens, None, None, None, 0.25)
+    with pytest.raises(RuntimeError, match="num_splits"):
+        op(q, kc, vc, lens, None, None, None, 0.25, num_splits=-1)
+
+
+def _opcheck_args(device, dtype=torch.float32):
+    g = torch.Generator(device=device).manual_seed(7)
+    q = torch.randn(3, 2, 4, 16, generator=g, device=device).to(dtype)
+    kc = torch.randn(3, 20, 2, 16, generator=g, device=device).to(dtype)
+    vc = torch.randn(3, 20, 2, 16, generator=g, device=device).to(dtype)
+    pk = torch.randn(9, 8, 2, 16, generator=g, device=device).to(dtype)
+    pv = torch.randn(9, 8, 2, 16, generator=g, device=device).to(dtype)
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device=device)
+    bt = i32([[4, 0, 7], [1, 8, 2], [3, 5, 6]])
+    sinks = torch.randn(4, generator=g, device=device)
+    return [
+        (q, kc, vc, i32([0, 11, 20]), None, None, None, 0.25, True, -1, -1, 0.0, None, None, 0),
+        (q, kc, vc, i32([5, 11, 20]), None, i32([2, 0, 1]), i32([1, 0, 7]), 0.3, False, 4, 1, 5.0, sinks, None, 3),
+        (q, pk, pv, i32([24, 0, 9]), bt, None, None, 0.25, True, 6, -1, 0.0, None,
+         torch.rand(3, 4, generator=g, device=device) * 0.2, 1),
+    ]
+
+
+def test_kvcache_opcheck_cpu():
+    for args in _opcheck_args("cpu"):
+        torch.library.opcheck(torch.ops.flashcore.kvcache_fwd.default, args)
+
+
+def _step_kwargs(request, device, dtype):
+    inputs, kw = make_case(request, device, dtype, B=3, Sq=2, Sn=2, Hq=4, Hkv=2, D=16, capacity=32,
+                           lens=[0, 13, 31], page_size=8, causal=True, rotary="neox")
+    return inputs, kw
+
+
+def test_kvcache_compile_fullgraph_cpu(request):
+    """torch.compile(fullgraph=True) of flash_attn_with_kvcache with the append (in-place cache writes, a dropped
+    token), rotary and a paged cache: the same output and caches as eager, for two different cache_seqlens."""
+    inputs, kw = _step_kwargs(request, "cpu", torch.float32)
+    q, kc, vc = inputs
+    fn = lambda q, kc, vc, lens, k, v: flash_attn_with_kvcache(q, kc, vc, k, v, kw["rotary_cos"], kw["rotary_sin"],
+                                                               lens, block_table=kw["block_table"], causal=True,
+                                                               rotary_interleaved=False, return_softmax_lse=True)
+    torch._dynamo.reset()
+    compiled = torch.compile(fn, fullgraph=True)
+    for lens in (kw["cache_seqlens"], torch.tensor([4, 30, 7], dtype=torch.int32)):
+        kc1, vc1, kc2, vc2 = kc.clone(), vc.clone(), kc.clone(), vc.clone()
+        want = fn(q, kc1, vc1, lens, kw["k"], kw["v"])
+        got = compiled(q, kc2, vc2, lens, kw["k"], kw["v"])
+        assert not torch.equal(kc1, kc), "the eager call appended nothing"
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        assert torch.equal(kc2, kc1) and torch.equal(vc2, vc1), "the compiled append differs from eager"
+    # and with the reference
+    run_case(inputs, kw)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+GPU_CAP = 1000  # dense capacity (not a multiple of any tile); paged: ceil(1000 / page_size) pages
+GPU_HEADS = [(32, 8), (8, 1), (4, 4)]  # GQA, MQA, MHA
+GPU_DIMS = [64, 128, 256, 96, 100]  # 100: padded to 104
+GPU_MODES = {  # B, Sq, Sn, cache lengths before the append: mixed, 0 and full (FULL - Sn: full after the append)
+    "decode": dict(B=8, Sq=1, Sn=0, lens=[0, 1, 17, 255, 256, 511, 999, FULL]),
+    "decode_append": dict(B=8, Sq=1, Sn=1, lens=[0, 1, 16, 255, 300, 640, 998, FULL - 1]),
+    "chunk3": dict(B=3, Sq=3, Sn=3, lens=[0, 129, FULL - 3]),
+    "chunk64": dict(B=3, Sq=64, Sn=64, lens=[0, 200, FULL - 64]),
+    "chunk200": dict(B=1, Sq=200, Sn=200, lens=[513]),
+}
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("mode", list(GPU_MODES))
+@pytest.mark.parametrize("page_size", [None, 16, 64, 256], ids=lambda p: f"page{p}" if p else "dense")
+@pytest.mark.parametrize("head_dim", GPU_DIMS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_kvcache_cuda(request, mode, page_size, head_dim, dtype):
+    """Decode and chunked prefill against dense and paged caches, causal, with the append of the new tokens; the
+    head configuration rotates over GQA 32/8, MQA 8/1 and MHA 4/4 so that each meets every mode."""
+    i = list(GPU_MODES).index(mode) + GPU_DIMS.index(head_dim)
+    Hq, Hkv = GPU_HEADS[i % 3]
+    inputs, kw = make_case(request, "cuda", dtype, Hq=Hq, Hkv=Hkv, D=head_dim, capacity=GPU_CAP,
+                           page_size=page_size, causal=True, **GPU_MODES[mode])
+    run_case(inputs, kw)
+
+
+GPU_VARIANTS = {  # on top of GQA 8/2, head dim 128, a paged cache of 16-row pages (dense with batch_idx), causal
+    "noncausal": dict(causal=False),
+    "window": dict(window=(100, 0), causal=False),
+    "window_both": dict(window=(50, 20), causal=False),
+    "window_causal": dict(window=(70, -1)),
+    "softcap": dict(softcap=20.0, causal=False),
+    "sinks": dict(sinks=True, causal=False),
+    "sinks_causal": dict(sinks=True),
+    "alibi_head": dict(alibi="head", causal=False),
+    "alibi_batch": dict(alibi="batch"),
+    "all": dict(window=(300, -1), softcap=30.0, sinks=True, alibi="batch"),
+    "batch_idx": dict(batch_idx=True, page_size=None),
+    "leftpad": dict(leftpad=True, page_size=None),
+    "paged_leftpad": dict(leftpad=True, page_size=64),
+    "rotary_interleaved": dict(rotary="interleaved"),
+    "rotary_neox_partial": dict(rotary="neox", rotary_dim=64),
+    "rotary_noncausal": dict(rotary="neox", causal=False),
+    "rotary_batch_idx_leftpad": dict(rotary="interleaved", batch_idx=True, leftpad=True, page_size=None),
+    "splits1": dict(num_splits=1),
+    "splits3": dict(num_splits=3),
+    "splits_many": dict(num_splits=100),
+    "head_dim59": dict(head_dim=59, rotary="neox", rotary_dim=32),
+    "overflow": dict(overflow=True, rotary="interleaved"),
+}
+NEEDS_NEW_TOKENS = ("rotary", "overflow")
+GPU_VARIANT_PARAMS = [(v, m) for v in GPU_VARIANTS for m in ("decode", "decode_append", "chunk64")
+                      if m != "decode" or not any(x in GPU_VARIANTS[v] for x in NEEDS_NEW_TOKENS)]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant,mode", GPU_VARIANT_PARAMS, ids=[f"{v}-{m}" for v, m in GPU_VARIANT_PARAMS])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_kvcache_variants_cuda(request, variant, mode, dtype):
+    v = {"causal": True, "head_dim": 128, "page_size": 16, **GPU_VARIANTS[variant]}
+    m = dict(GPU_MODES[mode])
+    if v.pop("leftpad", False):
+        v["leftpad"] = [min(x, 7 * i) if x < FULL // 2 else 7 * i for i, x in enumerate(m["lens"])]
+    if v.pop("overflow", False):  # tokens past the capacity: dropped
+        m["lens"] = [FULL - 1, FULL, FULL - m["Sn"] + 1][: m["B"]] + m["lens"][3:]
+    inputs, kw = make_case(request, "cuda", dtype, Hq=8, Hkv=2, D=v.pop("head_dim"), capacity=GPU_CAP, **m, **v)
+    run_case(inputs, kw)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_kvcache_opcheck_cuda():
+    for args in _opcheck_args("cuda", torch.bfloat16):
+        torch.library.opcheck(torch.ops.flashcore.kvcache_fwd.default, args)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_kvcache_cuda_graph(request, page_size):
+    """One decode step (append with rotary, then attention) captured in a CUDA graph: replays with new cache_seqlens
+    and new q/k/v (copied into the captured tensors) give the eager result and the eager caches bitwise, and the
+    replay is right by the reference."""
+    inputs, kw = make_case(request, "cuda", torch.bfloat16, B=4, Sq=1, Sn=1, Hq=16, Hkv=4, D=128, capacity=512,
+                           lens=[0, 100, 511, 300], page_size=page_size, causal=True, rotary="neox")
+    q, kc, vc = inputs
+    lens = kw["cache_seqlens"]
+    step = lambda kc, vc: flash_attn_with_kvcache(q, kc, vc, **kw)
+    graph, static = capture_graph(lambda: step(kc, vc))
+    g = make_generator(request, "cuda")
+    for new_lens in ([5, 101, 0, 511], [300, 0, 17, 250]):
+        lens.copy_(torch.tensor(new_lens, dtype=torch.int32))
+        for t in (q, kw["k"], kw["v"]):
+            t.copy_(torch.randn(t.shape, generator=g, device="cuda"))
+        kc_before, vc_before = kc.clone(), vc.clone()
+        kc_eager, vc_eager = kc.clone(), vc.clone()
+        want = step(kc_eager, vc_eager)
+        for t in static:
+            t.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static[0], want[0]) and torch.equal(static[1], want[1])
+        assert torch.equal(kc, kc_eager) and torch.equal(vc, vc_eager)
+        run_case((q, kc_before, vc_before), kw)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("append", [False, True])
+@pytest.mark.parametrize("page_size", [None, 16])
+def test_kvcache_bad_indices_stay_in_bounds_cuda(request, append, page_size):
+    """cache_seqlens past the capacity or negative, page ids out of range, cache_batch_idx out of range, left pads
+    past the length or negative: nothing is read or written outside the tensors (compute-sanitizer runs this test
+    separately); the outputs are finite and nothing crashes."""
+    B = 4
+    inputs, kw = make_case(request, "cuda", torch.float16, B=B, Sq=2, Sn=2 if append else 0, Hq=8, Hkv=2, D=64,
+                           capacity=64, lens=[0, 0, 0, 0], page_size=page_size, causal=True,
+                           rotary="neox" if append else None)
+    q, kc, vc = inputs
+    i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")
+    for lens in ([100, -5, 2**31 - 1, -2**31], [64, 65, 63, -1]):
+        call = dict(kw, cache_seqlens=i32(lens), cache_leftpad=i32([70, -3, 5, 2**31 - 1]))
+        if page_size:
+            bt = call["block_table"].clone()
+            bt[0, 0], bt[1, -1], bt[2, 1], bt[3, 0] = -1, 10**6, 2**31 - 1, -2**31
+            call["block_table"] = bt
+        else:
+            call["cache_batch_idx"] = i32([-1, B + 100, 0, 2**31 - 1])
+        out, lse = flash_attn_with_kvcache(q, kc, vc, **call)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all() and not torch.isnan(lse).any()
+        assert torch.isfinite(kc).all() and torch.isfinite(vc).all()
