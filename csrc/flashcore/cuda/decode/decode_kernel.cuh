@@ -72,6 +72,66 @@ __device__ __forceinline__ void gather_rows_async(Element* smem, const Element* 
   }
 }
 
+// Merges the splits' partial outputs of one row (b, hq, pos) through their log-sum-exp (and adds the sink): one
+// warp. The lanes turn the splits' lse into weights (kept in `weight`, kMaxSplits floats of shared memory), then
+// each lane sums its float4 columns over the splits, four splits' loads in flight at a time (a serial chain of
+// dependent loads here cost 16 us of a 100 us decode step).
+constexpr int kMaxSplits = 256;
+
+template <typename Element>
+__device__ __forceinline__ void combine_row(const DecodeParams& p, int64_t row, float* weight, int lane) {
+  const FwdParams& f = p.f;
+  const int64_t rows_total = f.batch * f.heads_q * f.seqlen_q;
+  const int pos = (int)(row % f.seqlen_q);
+  const int64_t bh = row / f.seqlen_q;
+  const int hq = (int)(bh % f.heads_q), b = (int)(bh / f.heads_q);
+  const int S = p.num_splits;
+  const float* lse_s = p.lse_partial + row;  // split s at lse_s[s * rows_total]
+  float m = f.score.sinks ? f.score.sinks[hq] : -INFINITY;  // natural-log units here
+  for (int s = lane; s < S; s += 32) m = fmaxf(m, lse_s[s * rows_total]);
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+  float l = 0.f;
+  for (int s = lane; s < S; s += 32) {
+    const float e = m == -INFINITY ? 0.f : __expf(lse_s[s * rows_total] - m);
+    weight[s] = e;
+    l += e;
+  }
+#pragma unroll
+  for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
+  if (f.score.sinks && m != -INFINITY) l += __expf(f.score.sinks[hq] - m);
+  const bool empty = !(l > 0.f);
+  const float inv = empty ? 0.f : 1.f / l;
+  __syncwarp();
+
+  const int head_dim = (int)f.head_dim;  // a multiple of 8 (CUDA's rule): float4 columns
+  Element* dst = static_cast<Element*>(f.out) + b * f.out_stride.batch + hq * f.out_stride.head + pos * f.out_stride.seq;
+  for (int d = 4 * lane; d < head_dim; d += 128) {
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    const float* src = p.o_partial + row * head_dim + d;
+    auto add = [&](float w, const float4& x) {
+      acc.x = fmaf(w, x.x, acc.x);
+      acc.y = fmaf(w, x.y, acc.y);
+      acc.z = fmaf(w, x.z, acc.z);
+      acc.w = fmaf(w, x.w, acc.w);
+    };
+    int s = 0;
+    for (; s + 4 <= S; s += 4) {
+      float4 x[4];
+#pragma unroll
+      for (int u = 0; u < 4; ++u) x[u] = *reinterpret_cast<const float4*>(src + (s + u) * rows_total * head_dim);
+#pragma unroll
+      for (int u = 0; u < 4; ++u) add(weight[s + u], x[u]);
+    }
+    for (; s < S; ++s) add(weight[s], *reinterpret_cast<const float4*>(src + s * rows_total * head_dim));
+    dst[d] = static_cast<Element>(acc.x * inv);
+    dst[d + 1] = static_cast<Element>(acc.y * inv);
+    dst[d + 2] = static_cast<Element>(acc.z * inv);
+    dst[d + 3] = static_cast<Element>(acc.w * inv);
+  }
+  if (lane == 0) f.lse[row] = empty ? -INFINITY : m + __logf(l);
+}
+
 template <typename Traits>
 __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_constant__ DecodeParams p) {
   using Element = typename Traits::Element;
@@ -127,29 +187,50 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
     int row[kRowsPerThread];   // the key's row in its page (paged) or cache row (dense); -1: past the sequence
   };
   auto locate = [&](int t, Located& at) {
+    if (!p.kv.paged()) return;  // dense rows need no lookup (load_tile computes them)
 #pragma unroll
     for (int it = 0; it < kRowsPerThread; ++it) {
       const int j = t * kBlockN + r0 + it * kRowStep;
       const int key = (int)seq.first_key + j;
-      at.row[it] = j < seqlen_k ? key : -1;
+      at.row[it] = -1;
       at.page[it] = 0;
-      if (p.kv.paged() && j < seqlen_k) {
+      if (j < seqlen_k) {
         const int slot = key / (int)p.kv.page_size;
         at.page[it] = p.kv.block_table[b * p.kv.block_table_stride + slot];
         at.row[it] = key - slot * (int)p.kv.page_size;
       }
     }
   };
-  auto load_tile = [&](const Located& at, int stage) {
-    const uint32_t sK = ptx::smem_addr(sStages + stage * Traits::kStageElems);
+  // Byte offset of row r0 + kRowStep * it in a stage: when kRowStep is a multiple of 8 (head-dim tiles 64 and 128)
+  // the rows share their swizzle, so it is one offset a thread plus a constant per row.
+  const int dst0 = KVTile::chunk_offset(r0, c) * (int)sizeof(Element);
+  auto dst_of = [&](int it) {
+    if constexpr (kRowStep % 8 == 0) return it * kRowStep * 64 * (int)sizeof(Element);
+    return (KVTile::chunk_offset(r0 + it * kRowStep, c) - KVTile::chunk_offset(r0, c)) * (int)sizeof(Element);
+  };
+  auto load_tile = [&](const Located& at, int t, int stage) {
+    const uint32_t sK = ptx::smem_addr(sStages + stage * Traits::kStageElems) + dst0;
     const uint32_t sV = sK + KVTile::kElems * (int)sizeof(Element);
+    if (!p.kv.paged()) {  // dense: the rows are evenly strided; no per-row lookup
+      const int64_t first = (int64_t)seq.first_key + t * kBlockN + r0;
+      const Element* src_k = k + seq.cache_row * f.k_stride.batch + first * f.k_stride.seq + c * 8;
+      const Element* src_v = v + seq.cache_row * f.v_stride.batch + first * f.v_stride.seq + c * 8;
+#pragma unroll
+      for (int it = 0; it < kRowsPerThread; ++it) {
+        const bool valid = col_ok && t * kBlockN + r0 + it * kRowStep < seqlen_k;
+        const int dst = dst_of(it);
+        ptx::cp_async_16(sK + dst, valid ? src_k + it * kRowStep * f.k_stride.seq : k, valid);
+        ptx::cp_async_16(sV + dst, valid ? src_v + it * kRowStep * f.v_stride.seq : v, valid);
+      }
+      return;
+    }
 #pragma unroll
     for (int it = 0; it < kRowsPerThread; ++it) {
       const bool valid = col_ok && at.row[it] >= 0;
-      const int64_t where = p.kv.paged() ? clamp64(at.page[it], 0, p.kv.cache_rows - 1) : seq.cache_row;
-      const Element* src_k = valid ? k + where * f.k_stride.batch + at.row[it] * f.k_stride.seq + c * 8 : k;
-      const Element* src_v = valid ? v + where * f.v_stride.batch + at.row[it] * f.v_stride.seq + c * 8 : v;
-      const int dst = KVTile::chunk_offset(r0 + it * kRowStep, c) * (int)sizeof(Element);
+      const int64_t page = clamp64(at.page[it], 0, p.kv.cache_rows - 1);
+      const Element* src_k = valid ? k + page * f.k_stride.batch + at.row[it] * f.k_stride.seq + c * 8 : k;
+      const Element* src_v = valid ? v + page * f.v_stride.batch + at.row[it] * f.v_stride.seq + c * 8 : v;
+      const int dst = dst_of(it);
       ptx::cp_async_16(sK + dst, src_k, valid);
       ptx::cp_async_16(sV + dst, src_v, valid);
     }
@@ -188,7 +269,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
 #pragma unroll
   for (int i = 0; i < Traits::kStages - 1; ++i) {
     if (i < n_tiles) {
-      load_tile(next, i);
+      load_tile(next, t_begin + i, i);
       if (i + 1 < n_tiles) locate(t_begin + i + 1, next);
     }
     ptx::cp_async_commit();
@@ -200,7 +281,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
     const int t = t_begin + i, stage = i % Traits::kStages;
     // Into the stage read at step i - 1 (released by that step's closing barrier).
     if (i + Traits::kStages - 1 < n_tiles) {
-      load_tile(next, (i + Traits::kStages - 1) % Traits::kStages);
+      load_tile(next, t + Traits::kStages - 1, (i + Traits::kStages - 1) % Traits::kStages);
       if (i + Traits::kStages < n_tiles) locate(t + Traits::kStages, next);
     }
     ptx::cp_async_commit();
@@ -229,8 +310,9 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
         s[0][ni][e] = x;
       }
     float correction[2];
-    softmax.step(s, 1.f, correction);
-    softmax.rescale(o, correction, true);
+    // The deferred rescale: a decode row's max settles within a few tiles, after which the O multiplies are skipped.
+    const bool moved = softmax.step(s, 1.f, correction);
+    softmax.rescale(o, correction, moved);
     sm80::gemm_pv<KVTile, 1, kNTiles, kDTiles>(o, s, sV, lane, a_off);
     __syncthreads();  // every warp is done with this stage before the next step refills it
   }
@@ -238,7 +320,7 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
   __syncthreads();
 
   // Merge the warps that share rows (kWarpsN of them) through shared memory, normalize, and write: the output and
-  // lse directly (one split), or this split's partial output and lse for the combine kernel.
+  // lse directly (one split), or this split's partial output and lse for the merge below.
   float* const merge_o = reinterpret_cast<float*>(sStages);    // [warp][16][kHeadDim]
   float* const merge_ml = merge_o + 4 * 16 * Traits::kHeadDim;  // [warp][16][2]: max (log2), sum
 #pragma unroll
@@ -296,74 +378,12 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
   }
 }
 
-// Merges the splits' partial outputs through their log-sum-exp (and adds the sinks): one warp a row. The warp
-// first turns the splits' lse into weights (lanes over splits, kept in shared memory), then each lane sums its
-// float4 columns over the splits with the loads of four splits in flight at a time (a serial chain of dependent
-// loads here cost 16 us of a 100 us decode step).
+// The split-KV merge: one warp a row.
 template <typename Element>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const __grid_constant__ DecodeParams p) {
-  constexpr int kMaxSplits = 256;
   __shared__ float weight[4][kMaxSplits];
-  const FwdParams& f = p.f;
-  const int64_t rows_total = f.batch * f.heads_q * f.seqlen_q;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int64_t row = (int64_t)blockIdx.x * 4 + warp;
-  if (row >= rows_total) return;
-  const int pos = (int)(row % f.seqlen_q);
-  const int64_t bh = row / f.seqlen_q;
-  const int hq = (int)(bh % f.heads_q), b = (int)(bh / f.heads_q);
-  const int S = p.num_splits;
-  const float* lse_s = p.lse_partial + row;  // split s at lse_s[s * rows_total]
-  float m = f.score.sinks ? f.score.sinks[hq] : -INFINITY;  // natural-log units here
-  for (int s = lane; s < S; s += 32) m = fmaxf(m, lse_s[s * rows_total]);
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-  float l = 0.f;
-  for (int s = lane; s < S; s += 32) {
-    const float e = m == -INFINITY ? 0.f : __expf(lse_s[s * rows_total] - m);
-    weight[warp][s] = e;
-    l += e;
-  }
-#pragma unroll
-  for (int off = 16; off > 0; off >>= 1) l += __shfl_xor_sync(0xffffffffu, l, off);
-  if (f.score.sinks && m != -INFINITY) l += __expf(f.score.sinks[hq] - m);
-  const bool empty = !(l > 0.f);
-  const float inv = empty ? 0.f : 1.f / l;
-  __syncwarp();
-
-  const int head_dim = (int)f.head_dim;  // a multiple of 8 (CUDA's rule): float4 columns
-  Element* dst = static_cast<Element*>(f.out) + b * f.out_stride.batch + hq * f.out_stride.head + pos * f.out_stride.seq;
-  for (int d = 4 * lane; d < head_dim; d += 128) {
-    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-    const float* src = p.o_partial + row * head_dim + d;
-    int s = 0;
-    for (; s + 4 <= S; s += 4) {
-      float4 x[4];
-#pragma unroll
-      for (int u = 0; u < 4; ++u) x[u] = *reinterpret_cast<const float4*>(src + (s + u) * rows_total * head_dim);
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        const float w = weight[warp][s + u];
-        acc.x = fmaf(w, x[u].x, acc.x);
-        acc.y = fmaf(w, x[u].y, acc.y);
-        acc.z = fmaf(w, x[u].z, acc.z);
-        acc.w = fmaf(w, x[u].w, acc.w);
-      }
-    }
-    for (; s < S; ++s) {
-      const float4 x = *reinterpret_cast<const float4*>(src + s * rows_total * head_dim);
-      const float w = weight[warp][s];
-      acc.x = fmaf(w, x.x, acc.x);
-      acc.y = fmaf(w, x.y, acc.y);
-      acc.z = fmaf(w, x.z, acc.z);
-      acc.w = fmaf(w, x.w, acc.w);
-    }
-    dst[d] = static_cast<Element>(acc.x * inv);
-    dst[d + 1] = static_cast<Element>(acc.y * inv);
-    dst[d + 2] = static_cast<Element>(acc.z * inv);
-    dst[d + 3] = static_cast<Element>(acc.w * inv);
-  }
-  if (lane == 0) f.lse[row] = empty ? -INFINITY : m + __logf(l);
+  const int64_t row = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
+  if (row < p.f.batch * p.f.heads_q * p.f.seqlen_q) combine_row<Element>(p, row, weight[threadIdx.x >> 5], threadIdx.x & 31);
 }
 
 }  // namespace flashcore::decode

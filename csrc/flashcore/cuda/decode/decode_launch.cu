@@ -86,13 +86,6 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   return plan;
 }
 
-template <typename Element>
-void launch_combine(const DecodeParams& p, cudaStream_t stream) {
-  const int64_t rows = p.f.batch * p.f.heads_q * p.f.seqlen_q;
-  decode_combine_kernel<Element><<<(unsigned)((rows + 3) / 4), 128, 0, stream>>>(p);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
 void launch_decode(const DecodeParams& p, const DecodePlan& plan, bool bf16, cudaStream_t stream) {
   const Variant v = pick(plan.head_dim_tile, plan.rows_mode, bf16);
   cuda::set_max_dynamic_smem_once(v.kernel, v.smem_bytes, *v.smem_configured);
@@ -100,10 +93,12 @@ void launch_decode(const DecodeParams& p, const DecodePlan& plan, bool bf16, cud
   v.kernel<<<grid, 128, v.smem_bytes, stream>>>(p);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
   if (p.num_splits > 1) {
+    const unsigned blocks = (unsigned)((p.f.batch * p.f.heads_q * p.f.seqlen_q + 3) / 4);
     if (bf16)
-      launch_combine<__nv_bfloat16>(p, stream);
+      decode_combine_kernel<__nv_bfloat16><<<blocks, 128, 0, stream>>>(p);
     else
-      launch_combine<__half>(p, stream);
+      decode_combine_kernel<__half><<<blocks, 128, 0, stream>>>(p);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
 }
 
