@@ -32,10 +32,10 @@ def make_case(request, device, dtype, *, B, Sq, Hq, Hkv, D, capacity, lens, Sn=0
               batch_idx=False, rotary=None, rotary_dim=None, int_lens=False, causal=False, window=(-1, -1),
               softcap=0.0, sinks=False, alibi=None, num_splits=0, seqlen_ro=None):
     """Inputs of one call as (args, kwargs) of flash_attn_with_kvcache. lens: the cache lengths before the append
-    (a list, FULL - n meaning capacity - n; an int with int_lens; None: none); leftpad: a list; rotary: "interleaved" or "neox" (rotary_dim dims, default D
-    rounded down to even); alibi: "head" or "batch". A paged cache's pages are scattered over a pool larger than the
-    batch needs (block_table a random permutation); a dense one with batch_idx has extra rows, entries mapped to a
-    random permutation of them."""
+    (a list, FULL - n meaning capacity - n; an int with int_lens; None: none); leftpad: a list; rotary:
+    "interleaved" or "neox" (rotary_dim dims, default D rounded down to even); alibi: "head" or "batch". A paged
+    cache's pages are scattered over a pool larger than the batch needs (block_table a random permutation); a dense
+    one with batch_idx has extra rows, entries mapped to a random permutation of them."""
     g = make_generator(request, device)
     gcpu = make_generator(request)
 
@@ -87,8 +87,8 @@ def entry_slots(k_cache, kw, b):
     """(cache index, position) of every position of entry b's sequence: a Python list (independent of the append)."""
     bt, idx = kw.get("block_table"), kw.get("cache_batch_idx")
     if bt is not None:
-        ps = k_cache.size(1)
-        return [(int(bt[b, p // ps]), p % ps) for p in range(capacity_of(k_cache, kw))]
+        ps, pages = k_cache.size(1), bt[b].tolist()
+        return [(pages[p // ps], p % ps) for p in range(capacity_of(k_cache, kw))]
     row = b if idx is None else int(idx[b])
     return [(row, p) for p in range(k_cache.size(1))]
 
@@ -385,6 +385,9 @@ BAD_CALLS = {
     "head_dim": (lambda q, kc, vc, k, v, x: ((q[..., :8], kc, vc), dict(cache_seqlens=3)), "head dim"),
     "lens_dtype": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=torch.tensor([3, 4]))),
                    "cache_seqlens must be int32"),
+    "lens_device": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=torch.zeros(2, dtype=torch.int32,
+                                                                                          device="meta"))),
+                    "cache_seqlens is on meta"),
     "lens_shape": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=torch.tensor([3], dtype=torch.int32))),
                    "cache_seqlens must have shape"),
     "lens_type": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=[3, 4])), "cache_seqlens must be an int"),
@@ -398,7 +401,8 @@ BAD_CALLS = {
     "table_with_batch_idx": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(
         cache_seqlens=3, block_table=torch.zeros(2, 3, dtype=torch.int32),
         cache_batch_idx=torch.zeros(2, dtype=torch.int32))), "cache_batch_idx cannot be combined with block_table"),
-    "table_dtype": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=3, block_table=torch.zeros(2, 3).long())),
+    "table_dtype": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=3,
+                                                                  block_table=torch.zeros(2, 3).long())),
                     "block_table must be int32"),
     "table_1d": (lambda q, kc, vc, k, v, x: ((q, kc, vc), dict(cache_seqlens=3,
                                                                block_table=torch.zeros(2, dtype=torch.int32))),
