@@ -49,6 +49,20 @@ def test_generate_depends_on_the_context_cpu():
     assert flash[0] != flash[1]
 
 
+def test_compare_tokens_rejects_a_wrong_token_cpu():
+    """The near-tie rule of the GPU comparison is not a free pass: a token the float32 model ranks far below its
+    argmax fails it."""
+    cfg = gen.Config(layers=2, dim=128, heads=2, kv_heads=1, hidden=256, qk_gain=1.0)
+    model = gen.Model(cfg, "cpu", torch.float32, seed=0)
+    prompts = gen.random_prompts(2, cfg.vocab, max_len=20, seed=1)
+    flash, _ = gen.generate(model, prompts, 6, "flashcore")
+    assert gen.compare_tokens(model, prompts, flash, flash)[0]
+    ref = gen.reference_logits(model, prompts[0], flash[0])
+    wrong = [list(t) for t in flash]
+    wrong[0][3] = int(ref[3].argmin())
+    assert not gen.compare_tokens(model, prompts, wrong, flash)[0]
+
+
 def test_generate_cli_check_cpu(capsys):
     assert gen.main(["--device", "cpu", "--prompts", "2", "--new-tokens", "4", "--layers", "1", "--check"]) == 0
     out = capsys.readouterr().out
@@ -60,6 +74,13 @@ def test_generate_cli_check_cpu(capsys):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("page_size", [16, 256])
 def test_generate_matches_sdpa_cuda(dtype, page_size):
-    """Head dim 64 (the example's default width), 16 new tokens."""
-    flash, ref, _ = run_both("cuda", dtype, new_tokens=16, page_size=page_size, dim=256, heads=4, kv_heads=2)
-    assert flash == ref, f"flashcore {flash} != sdpa {ref}"
+    """Head dim 64, 4 prompts, 16 new tokens, ordinary attention (qk_gain 1). In 16 bits two attention kernels round
+    differently, so tokens may part at a near-tie of the two best logits: compare_tokens accepts that only where the
+    float32 model ranks both choices within 0.1, and checks every flashcore token against the float32 argmax."""
+    cfg = gen.Config(layers=2, dim=256, heads=4, kv_heads=2, hidden=512, qk_gain=1.0)
+    model = gen.Model(cfg, "cuda", dtype, seed=0)
+    prompts = gen.random_prompts(4, cfg.vocab, max_len=40, seed=1)
+    flash, _ = gen.generate(model, prompts, 16, "flashcore", page_size)
+    ref, _ = gen.generate(model, prompts, 16, "sdpa")
+    ok, message = gen.compare_tokens(model, prompts, flash, ref)
+    assert ok, message
