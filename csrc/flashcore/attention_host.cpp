@@ -552,6 +552,14 @@ std::tuple<at::Tensor, at::Tensor> alloc_kvcache_outputs(const at::Tensor& query
   return {out, lse};
 }
 
+void fill_no_key_outputs(at::Tensor& out, at::Tensor& lse, const AttentionOptions& opts) {
+  out.zero_();
+  if (opts.sinks.defined())
+    lse.copy_(opts.sinks.view({1, -1, 1}).expand_as(lse));
+  else
+    lse.fill_(-std::numeric_limits<double>::infinity());
+}
+
 DecodeParams make_decode_params(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& out, const at::Tensor& lse, const KvCacheArgs& a,
                                 const AttentionOptions& opts) {

@@ -148,6 +148,10 @@ void check_kvcache_inputs(const at::Tensor& query, const at::Tensor& key_cache, 
 // out like query, lse (batch, heads_q, seqlen_q) float32 (float64 for float64 inputs).
 std::tuple<at::Tensor, at::Tensor> alloc_kvcache_outputs(const at::Tensor& query);
 
+// Outputs of rows that see no key: out 0, lse the sink's logit (sinks given) or -inf, as the kernels' finalize.
+// out/lse may be views (one batch entry's rows).
+void fill_no_key_outputs(at::Tensor& out, at::Tensor& lse, const AttentionOptions& opts);
+
 // The params of a KV-cache call (mask aligned bottom-right; f.seqlen_k = the capacity).
 DecodeParams make_decode_params(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                 const at::Tensor& out, const at::Tensor& lse, const KvCacheArgs& args,

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include <limits>
 
 #include "../attention_host.h"
 #include "../kernel_trace.h"
@@ -126,12 +125,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cpu(
     AttentionOptions entry = opts;
     if (entry.alibi_slopes.defined() && entry.alibi_slopes.dim() == 2)
       entry.alibi_slopes = entry.alibi_slopes.narrow(0, b, 1);
-    if (s.seqlen_k == 0) {  // no key: out 0; lse the sink's logit (finalize's rule for a row that sees no key)
-      out_b.zero_();
-      if (opts.sinks.defined())
-        lse_b.copy_(opts.sinks.view({1, -1, 1}).expand_as(lse_b));
-      else
-        lse_b.fill_(-std::numeric_limits<double>::infinity());
+    if (s.seqlen_k == 0) {
+      fill_no_key_outputs(out_b, lse_b, opts);
       continue;
     }
     const FwdParams p = make_fwd_params(q_b, k, v, out_b, lse_b, entry);

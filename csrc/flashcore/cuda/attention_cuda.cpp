@@ -427,12 +427,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cuda(
   const at::Tensor key_cache = aligned_for_16b_loads(key_cache_in);
   const at::Tensor value_cache = aligned_for_16b_loads(value_cache_in);
   DecodeParams p = make_decode_params(query, key_cache, value_cache, out, lse, args, opts);
-  if (key_cache.numel() == 0 || p.kv.capacity == 0) {  // no key anywhere: out 0, lse the sink (or -inf)
-    out.zero_();
-    if (opts.sinks.defined())
-      lse.copy_(opts.sinks.view({1, -1, 1}).expand_as(lse));
-    else
-      lse.fill_(-std::numeric_limits<float>::infinity());
+  if (key_cache.numel() == 0 || p.kv.capacity == 0) {  // no key anywhere
+    fill_no_key_outputs(out, lse, opts);
     return {out, lse};
   }
   const bool bf16 = query.scalar_type() == at::kBFloat16;
