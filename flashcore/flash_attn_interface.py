@@ -99,16 +99,19 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     for t, name in ((q, "q"), (k, "k"), (v, "v"), (cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
         _check_tensor(t, name, fn)
     for t, name in ((q, "q"), (k, "k"), (v, "v")):
-        if t.dim() != 3:
-            raise RuntimeError(f"{fn}: {name} must be 3-D (total_tokens, nheads, headdim); got {t.dim()}-D with "
-                               f"shape {tuple(t.shape)}")
+        want = 4 if block_table is not None and name != "q" else 3
+        if t.dim() != want:
+            shape = ("num_blocks, page_block_size, nheads_k, headdim) with block_table" if want == 4
+                     else "total_tokens, nheads, headdim)")
+            raise RuntimeError(f"{fn}: {name} must be {want}-D ({shape}; got {t.dim()}-D with shape "
+                               f"{tuple(t.shape)}")
     _check_dropout(dropout_p, fn)
-    if block_table is not None:
-        raise NotImplementedError(f"{fn}: block_table (paged KV) is not supported by the varlen functions; use "
-                                  "contiguous packed k/v")
     left, right = window_pair(window_size, fn)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
+    if block_table is not None:
+        return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
+                             left, right, softcap, alibi_slopes, sinks, seqused_k, return_attn_probs)
     (q, k, v), head_dim = pad_head_dim([q, k, v])
     out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                               float(softmax_scale), bool(causal), left, right, float(softcap), bool(deterministic),
@@ -118,13 +121,46 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     return (out, lse, None) if return_attn_probs else out
 
 
+def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
+                  left, right, softcap, alibi_slopes, sinks, seqused_k, return_attn_probs):
+    """flash_attn_varlen_func with block_table (paged prefill): sequence b's keys are the first
+    cu_seqlens_k[b+1] - cu_seqlens_k[b] (or seqused_k[b]) of its pages. Runs on the KV-cache op: each sequence's
+    queries are placed at the END of a (batch, max_seqlen_q) block (left padding), so the op's bottom-right alignment
+    to the block's length is each sequence's own; the rows are gathered back into the packed layout. Index
+    arithmetic only, on the device: no sync."""
+    B, Mq, total_q = cu_seqlens_q.numel() - 1, int(max_seqlen_q), q.size(0)
+    dev = q.device
+    starts = cu_seqlens_q[:-1].long()
+    lens_q = (cu_seqlens_q[1:].long() - starts).clamp(0, Mq)  # the varlen kernels' rule: at most max_seqlen_q
+    pad = Mq - lens_q                                        # padding rows before each sequence's queries
+    r = torch.arange(Mq, device=dev)
+    src = (starts[:, None] + r[None, :] - pad[:, None]).clamp(0, max(total_q - 1, 0))
+    q_block = q[src] if total_q > 0 else q.new_zeros(B, Mq, *q.shape[1:])  # (B, Mq, Hq, D); pad rows: any row
+    lens_k = seqused_k if seqused_k is not None else (cu_seqlens_k[1:] - cu_seqlens_k[:-1])
+    (qp, kc, vc), head_dim = pad_head_dim([q_block, k_cache, v_cache])
+    out_block, lse_block = _kvcache_fwd_op(qp, kc, vc, lens_k.to(torch.int32).contiguous(), block_table, None, None,
+                                           float(softmax_scale), bool(causal), left, right, float(softcap), sinks,
+                                           alibi_slopes, 0)
+    # packed row t: sequence b (searchsorted), padded row t - starts[b] + pad[b]; rows outside every sequence: lse
+    # -inf and out 0, as the varlen op gives them
+    t = torch.arange(total_q, device=dev)
+    b = torch.searchsorted(cu_seqlens_q[1:].long(), t, right=True).clamp(max=max(B - 1, 0))
+    row = (t - starts[b] + pad[b]).clamp(0, max(Mq - 1, 0))
+    inside = (t >= starts[b]) & (t - starts[b] < lens_q[b])
+    out = torch.where(inside[:, None, None], out_block[b, row], 0.0)[..., :head_dim]
+    lse = torch.where(inside[None, :], lse_block[b, :, row].transpose(0, 1), float("-inf"))
+    return (out, lse, None) if return_attn_probs else out
+
+
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
                            softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                            deterministic=False, return_attn_probs=False, block_table=None):
     """q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim): sequences packed along the first dim,
     sequence b at rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32, (batch + 1,)). Causal and windows align
     bottom-right in each sequence. Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q),
-    None) with return_attn_probs=True. block_table (paged KV) is not supported here."""
+    None) with return_attn_probs=True. block_table (int32 (batch, max_num_blocks_per_seq)) makes k and v paged
+    caches (num_blocks, page_block_size, nheads_k, headdim) as in flash-attn: sequence b's keys are the first
+    cu_seqlens_k[b+1] - cu_seqlens_k[b] of its pages (paged prefill; forward only)."""
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, deterministic, return_attn_probs, "flash_attn_varlen_func",
                    block_table=block_table)

@@ -260,7 +260,8 @@ def test_varlen_gradcheck_float64(request):
 
 def test_flash_attn_varlen_interface(request):
     """flash-attn 2.x's varlen functions: argument order and defaults, (out, lse (nheads, total_q), None) with
-    return_attn_probs, the packed forms, window_size as a tensor, dropout and block_table refused by name."""
+    return_attn_probs, the packed forms, window_size as a tensor, dropout refused by name, and a block_table with
+    packed (3-D) k refused naming k (paged prefill is tested in test_kvcache.py)."""
     import inspect
 
     from flashcore.flash_attn_interface import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
@@ -288,7 +289,7 @@ def test_flash_attn_varlen_interface(request):
                                rtol=0, atol=0)
     with pytest.raises(NotImplementedError, match="dropout_p"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, 0.1)
-    with pytest.raises(NotImplementedError, match="block_table"):
+    with pytest.raises(RuntimeError, match="k must be 4-D .*block_table"):
         flash_attn_varlen_func(q, k, v, cu_q, cu_k, 30, 30, block_table=torch.zeros(2, 1, dtype=torch.int32))
 
 
