@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import flashcore
-from conftest import (assert_ran, check_close, check_gradients, cuda_skip_reason, lowp_attention, lowp_lse,
-                      make_generator, reference_attention, reference_lse)
+from conftest import (assert_ran, check_close, check_gradients, cuda_skip_reason, gpu_families, lowp_attention,
+                      lowp_lse, make_generator, reference_attention, reference_lse)
 
 requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
 
@@ -318,12 +318,62 @@ def test_varlen_forward_cuda(request, family, variant, head_dim, dtype):
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("head_dim", GPU_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_varlen_backward_cuda(request, variant, head_dim, dtype):
+def test_varlen_backward_cuda(request, bwd_path, variant, head_dim, dtype):
     lens_q, lens_k = [5, 0, 300, 128, 1, 77], [7, 3, 260, 400, 0, 77]
     q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", dtype, lens_q, lens_k, 4, 2, head_dim, VARIANTS[variant],
                                         strided=head_dim == 128)
     run_backward(q, k, v, cu_q, cu_k, kw)
-    assert flashcore.last_kernel("bwd").startswith("sm80")
+    assert_ran("bwd", bwd_path)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", ["dense", "causal", "window_causal", "alibi"])
+def test_varlen_backward_gqa_tile_edges_cuda(request, bwd_path, variant):
+    """GQA 8/2 at head dim 128, lengths around the key block (128) and the query step (64), sequences whose
+    tails share boxes with the next sequence's first rows: each sequence's gradients alone."""
+    lens_q = [64, 65, 127, 129, 1, 256, 63, 200]
+    lens_k = [64, 129, 127, 128, 300, 256, 1, 190]
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens_q, lens_k, 8, 2, 128,
+                                        VARIANTS[variant])
+    run_backward(q, k, v, cu_q, cu_k, kw)
+    assert_ran("bwd", bwd_path)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("fused", ["sm80", "sm90"])
+def test_varlen_schedule_matches_given_order_cuda(request, monkeypatch, fused):
+    """The backward's launch schedule (longest first, a packed grid on sm90) only reorders blocks: both backwards
+    pass the rule with and without it, and the forward (never scheduled) is bitwise unchanged. 60 sequences of
+    0-300 tokens, GQA, causal."""
+    if fused == "sm90" and "sm90" not in gpu_families():
+        pytest.skip("sm90 kernels need a compute capability 9.0 GPU")
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", fused)
+    monkeypatch.setenv("FLASHCORE_FORCE_BWD", fused)
+    g = torch.Generator().manual_seed(3)
+    lens = torch.randint(0, 301, (60,), generator=g).tolist()
+    lens[7] = 0
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens, lens, 8, 2, 128, {"causal": True})
+    max_len = max(lens)
+    scheduled = flashcore.varlen_attention(q, k, v, cu_q, cu_k, max_len, max_len, is_causal=True, return_lse=True)
+    assert_ran("fwd", fused)
+    run_backward(q, k, v, cu_q, cu_k, kw)
+    assert_ran("bwd", fused)
+    monkeypatch.setenv("FLASHCORE_VARLEN_SCHEDULE", "0")
+    given = flashcore.varlen_attention(q, k, v, cu_q, cu_k, max_len, max_len, is_causal=True, return_lse=True)
+    assert torch.equal(scheduled[0], given[0]) and torch.equal(scheduled[1], given[1])
+    run_backward(q, k, v, cu_q, cu_k, kw)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_varlen_backward_default_path_cuda(request):
+    """Unforced, a Hopper GPU runs the wgmma varlen backward on long enough sequences (mma.sync elsewhere)."""
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.float16, [100, 300], [120, 280], 4, 4, 64,
+                                        {"causal": True})
+    run_backward(q, k, v, cu_q, cu_k, kw)
+    assert_ran("bwd", "sm90" if "sm90" in gpu_families() else "sm80")
 
 
 @pytest.mark.gpu
@@ -407,6 +457,7 @@ def test_varlen_compile_and_graph_cuda(request):
 def test_varlen_bad_offsets_stay_in_bounds_cuda(request, family, monkeypatch):
     """Offsets that lie (past the tensors, decreasing, longer than max_seqlen) must not make a kernel touch memory
     outside its tensors (compute-sanitizer runs this test too); the validation mode reports them."""
+    monkeypatch.setenv("FLASHCORE_FORCE_BWD", family)  # the same family's backward
     g = make_generator(request, "cuda")
     q, k, v = (torch.randn(100, 2, 64, generator=g, device="cuda").half().requires_grad_() for _ in range(3))
     for cu in ([0, 150, 90], [50, 40, 100000], [-5, 100, 100], [0, 2**31 - 1, 7]):

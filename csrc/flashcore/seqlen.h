@@ -25,11 +25,49 @@ struct VarlenParams {
   const int32_t* cu_seqlens_q = nullptr;  // (batch + 1,); null: dense tensors
   const int32_t* cu_seqlens_k = nullptr;  // (batch + 1,)
   const int32_t* seqused_k = nullptr;     // (batch,) or null
+  // (batch,): the sequence the i-th batch slot of a grid computes, or null (slot i is sequence i). For the CUDA
+  // backward the host sorts the sequences longest first on the device (no sync), so the longest blocks start first
+  // and the short ones fill the last wave (a grid in the given order ends with whatever sequence came last, alone
+  // on the GPU). A permutation of [0, batch): the host builds it, never the caller.
+  const int32_t* launch_order = nullptr;
+  // A packed grid (the sm90 backward), or null: a grid of max_seqlen's tiles for every sequence, whose blocks past a
+  // short sequence's end exit at once. tile_end[s]: tiles (blocks of one head) of slots 0..s, each slot's sequence
+  // cut into ceil(length / tile); the grid launches grid_tiles >= tile_end[batch - 1] tiles a head (a bound the
+  // host knows without a sync) and locate_packed_tile maps a block to its (slot, head, tile).
+  const int32_t* tile_end = nullptr;
+  int64_t grid_tiles = 0;
   int64_t total_q = 0;                    // rows of the packed q (and out, lse's last dim)
   int64_t total_k = 0;                    // rows of the packed k and v
 
   FLASHCORE_HOST_DEVICE bool enabled() const { return cu_seqlens_q != nullptr; }
+  // The batch entry (sequence) of grid slot `slot`.
+  FLASHCORE_HOST_DEVICE int64_t sequence_of_slot(int64_t slot) const {
+    return launch_order != nullptr ? launch_order[slot] : slot;
+  }
 };
+
+// Block `block` of a packed grid (VarlenParams::tile_end) of `heads` heads: slot s owns blocks
+// [heads * tile_end[s - 1], heads * tile_end[s]), head by head, so a sequence's tiles of one head run side by side
+// (they share K/V or Q/dO in L2). Binary search over the batch. false: past the last slot (the block exits).
+struct PackedTile {
+  int slot = 0, head = 0, tile = 0, tiles = 0;
+};
+FLASHCORE_HOST_DEVICE bool locate_packed_tile(const VarlenParams& v, int64_t batch, int64_t heads, int64_t block,
+                                              PackedTile& out) {
+  int64_t lo = 0, hi = batch;  // the first slot whose blocks end past `block`
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (heads * v.tile_end[mid] > block) hi = mid; else lo = mid + 1;
+  }
+  if (lo == batch) return false;
+  const int64_t first = lo > 0 ? v.tile_end[lo - 1] : 0, tiles = v.tile_end[lo] - first;
+  const int64_t rel = block - heads * first;  // < heads * tiles, so tiles > 0
+  out.slot = (int)lo;
+  out.tiles = (int)tiles;
+  out.head = (int)(rel / tiles);
+  out.tile = (int)(rel % tiles);
+  return true;
+}
 
 // One batch entry's sequence: its first rows in the (packed) tensors and its lengths. Dense: begins 0.
 struct SeqInfo {

@@ -50,4 +50,9 @@ bool check_varlen_offsets() {
   return v != nullptr && std::strcmp(v, "0") != 0;
 }
 
+bool varlen_schedule_enabled() {
+  const char* v = env("FLASHCORE_VARLEN_SCHEDULE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 }  // namespace flashcore

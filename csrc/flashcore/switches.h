@@ -11,6 +11,8 @@
 //   FLASHCORE_CHECK_VARLEN=1                    validate varlen offsets and lengths (cu_seqlens, seqused_k,
 //                                               max_seqlen) on CUDA too, at the cost of a device sync per call (the
 //                                               CPU always validates them)
+//   FLASHCORE_VARLEN_SCHEDULE=0                 run a varlen backward's sequences in their given order on a grid of
+//                                               max_seqlen_k's blocks each, not longest first on a packed grid (A/B)
 #pragma once
 
 #include <string>
@@ -24,5 +26,6 @@ bool pdl_allowed();
 bool poison_outputs();
 bool cpu_isa_forced_portable();
 bool check_varlen_offsets();
+bool varlen_schedule_enabled();
 
 }  // namespace flashcore

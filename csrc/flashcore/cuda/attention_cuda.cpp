@@ -231,7 +231,7 @@ std::string bwd_kernel_name_cuda(const at::Tensor& grad_out, const at::Tensor& q
   return kernel == nullptr ? "composite" : kernel->family;
 }
 
-// ---- Variable-length batches (seqlen.h): the mma.sync family's varlen kernels, on every GPU ----
+// ---- Variable-length batches (seqlen.h) ----
 
 // A packed (total, heads, dim) tensor is ready for 16-byte loads when its base and its row and head strides are.
 at::Tensor packed_aligned_for_16b_loads(const at::Tensor& t) {
@@ -249,20 +249,32 @@ bool packed_tma_ready(const at::Tensor& t) {
 // The varlen forward: the wgmma family on compute capability 9.0 for tensors TMA can describe, the mma.sync
 // family elsewhere and for batches of short sequences (max_seqlen_q <= kVarlenSm90MinRows): there the Hopper
 // kernel's 192/128-row, 384-thread blocks hold at most 64 rows of work each (H100, 10 000 causal sequences of 1-64
-// tokens, 16 heads, hd128 bf16: 6.5 ms against the mma.sync kernel's 4.0). Both are score-mod kernels built for
-// varlen. FLASHCORE_FORCE_KERNEL forces a family as for fwd.
+// tokens, 16 heads, hd128 bf16: 6.5 ms against the mma.sync kernel's 4.0). The mma.sync family's varlen kernels
+// are its score-mod variants; the wgmma family has plain ones too. FLASHCORE_FORCE_KERNEL forces a family as for fwd.
 constexpr int64_t kVarlenSm90MinRows = 64;
 
+// The sm90 entry built for varlen: the plain kernel unless the scores are transformed (score_mod.h), else the
+// score-mod one (it applies any transform); nullptr when neither carries a varlen launcher.
+template <typename Entry, typename Find>
+const Entry* sm90_varlen_entry(Find find, bool score_mod) {
+  const Entry* e = find(score_mod);
+  if (e != nullptr && e->launch_varlen != nullptr) return e;
+  e = score_mod ? nullptr : find(true);
+  return e != nullptr && e->launch_varlen != nullptr ? e : nullptr;
+}
+
 const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                                                     const cudaDeviceProp& prop, int64_t max_seqlen_q) {
+                                                     const cudaDeviceProp& prop, int64_t max_seqlen_q,
+                                                     bool score_mod) {
   const auto dtype = to_dtype(q.scalar_type());
   const int head_dim = (int)q.size(2);
   const std::string forced = forced_fwd_family();
   TORCH_CHECK(forced.empty() || forced == "sm80" || forced == "sm90", "flashcore: FLASHCORE_FORCE_KERNEL=", forced,
               " is not a forward kernel family (sm80, sm90)");
   const cuda::FwdKernelEntry* sm90 =
-      forced == "sm80" ? nullptr : cuda::find_fwd_kernel("sm90", head_dim, dtype, /*score_mod=*/true);
-  if (sm90 != nullptr && sm90->launch_varlen == nullptr) sm90 = nullptr;
+      forced == "sm80" ? nullptr
+                       : sm90_varlen_entry<cuda::FwdKernelEntry>(
+                             [&](bool mod) { return cuda::find_fwd_kernel("sm90", head_dim, dtype, mod); }, score_mod);
   if (forced == "sm90") {
     TORCH_CHECK(is_hopper(prop) && sm90 != nullptr, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 needs a compute "
                 "capability 9.0 GPU and a build with sm90 kernels for head_dim ", head_dim);
@@ -275,6 +287,36 @@ const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const 
   TORCH_CHECK(sm80 != nullptr && sm80->launch_varlen != nullptr, "flashcore: this build has no variable-length "
               "forward kernel for head_dim ", head_dim, " and dtype ", c10::toString(q.scalar_type()));
   return *sm80;
+}
+
+// How the varlen backward's grid walks the batch (seqlen.h: VarlenParams::launch_order, tile_end): the sequences
+// sorted longest first by sort_by's lengths (a backward block's work grows with its sequence's queries), and for
+// kernels with a fixed tile (the entry's varlen_tile) a packed grid of `tiled`'s lengths (at most max_seqlen, total
+// in all) cut into tiles, so no block is launched past a short sequence's end. All on the device, a sort and a
+// cumsum of batch values: no sync, capturable. Nothing for one sequence or with FLASHCORE_VARLEN_SCHEDULE=0. The
+// returned tensors must live until the kernel is launched. (The forward keeps the given order: its short blocks
+// measured 3 % slower with the schedule, docs/PERFORMANCE.md.)
+struct VarlenSchedule {
+  at::Tensor order, tile_end;
+};
+
+VarlenSchedule plan_varlen_schedule(const at::Tensor& sort_by, const at::Tensor& tiled, int64_t max_seqlen,
+                                    int64_t total, int tile, VarlenParams& v) {
+  VarlenSchedule s;
+  const int64_t batch = sort_by.size(0) - 1;
+  if (batch < 2 || !varlen_schedule_enabled()) return s;
+  auto lengths = [&](const at::Tensor& cu) { return cu.narrow(0, 1, batch) - cu.narrow(0, 0, batch); };
+  const at::Tensor order = std::get<1>(lengths(sort_by).sort(/*stable=*/true, /*dim=*/0, /*descending=*/true));
+  s.order = order.to(at::kInt);
+  v.launch_order = s.order.data_ptr<int32_t>();
+  if (tile > 0) {
+    const at::Tensor len = lengths(tiled).index_select(0, order).clamp(0, max_seqlen);
+    s.tile_end = at::div(len + (tile - 1), tile, "floor").cumsum(0).to(at::kInt);
+    v.tile_end = s.tile_end.data_ptr<int32_t>();
+    auto ceil_tiles = [&](int64_t n) { return (n + tile - 1) / tile; };
+    v.grid_tiles = std::min(batch * ceil_tiles(max_seqlen), ceil_tiles(total) + batch);  // >= tile_end[batch - 1]
+  }
+  return s;
 }
 
 void check_varlen_grid(const VarlenArgs& a, int64_t heads, int64_t max_seqlen, const char* what) {
@@ -306,11 +348,45 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& query_in, c
   const at::Tensor value = packed_aligned_for_16b_loads(value_in);
   const FwdParams p = make_varlen_fwd_params(query, key, value, out, lse, args, opts);
   if (varlen_fwd_is_trivial(p, out)) return {out, lse};
-
-  const cuda::FwdKernelEntry& kernel = select_varlen_fwd_kernel(query, key, value, prop, max_seqlen_q);
-  record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile, 0, 1, false, true, true});
+  const cuda::FwdKernelEntry& kernel =
+      select_varlen_fwd_kernel(query, key, value, prop, max_seqlen_q, transforms_scores(opts));
+  record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile, 0, 1, false, kernel.score_mod, true});
   kernel.launch_varlen(p, at::cuda::getCurrentCUDAStream());  // the sm90 launcher refines the record
   return {out, lse};
+}
+
+// The varlen backward's fused kernel: the wgmma family on compute capability 9.0 for packed tensors TMA can
+// describe (whose heads_q x total_q dQ rows a 2-D descriptor can address), the mma.sync family elsewhere and, as
+// for the forward, for batches of short sequences (max_seqlen_q <= kVarlenSm90MinRows). FLASHCORE_FORCE_BWD=sm80|sm90 forces a family as for bwd.
+const cuda::BwdKernelEntry& select_varlen_bwd_kernel(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k,
+                                                     const at::Tensor& v, const cudaDeviceProp& prop,
+                                                     int64_t max_seqlen_q, bool score_mod) {
+  const auto dtype = to_dtype(q.scalar_type());
+  const int head_dim = (int)q.size(2);
+  const std::string forced = forced_bwd_path();
+  TORCH_CHECK(forced.empty() || forced == "sm80" || forced == "sm90", "flashcore: FLASHCORE_FORCE_BWD=", forced,
+              " is not a variable-length backward path (composite, sm80, sm90)");
+  const cuda::BwdKernelEntry* sm90 =
+      forced == "sm80" ? nullptr
+                       : sm90_varlen_entry<cuda::BwdKernelEntry>(
+                             [&](bool mod) { return cuda::find_bwd_kernel("sm90", head_dim, dtype, mod); }, score_mod);
+  if (forced == "sm90") {
+    TORCH_CHECK(is_hopper(prop) && sm90 != nullptr, "flashcore: FLASHCORE_FORCE_BWD=sm90 needs a compute "
+                "capability 9.0 GPU and a build with sm90 kernels for head_dim ", head_dim);
+  }
+  const bool short_rows = max_seqlen_q <= kVarlenSm90MinRows && forced != "sm90";
+  const bool dq_rows_fit = q.size(0) * q.size(1) <= std::numeric_limits<int32_t>::max();
+  if (sm90 != nullptr && is_hopper(prop) && !short_rows && dq_rows_fit && packed_tma_ready(q) &&
+      packed_tma_ready(k) && packed_tma_ready(v) && packed_tma_ready(dout) &&
+      (int64_t)prop.sharedMemPerBlockOptin >= sm90->smem_bytes)
+    return *sm90;
+  const cuda::BwdKernelEntry* sm80 = cuda::find_bwd_kernel("sm80", head_dim, dtype, /*score_mod=*/true);
+  TORCH_CHECK(sm80 != nullptr && sm80->launch_varlen != nullptr, "flashcore: this build has no variable-length "
+              "backward kernel for head_dim ", head_dim, " and dtype ", c10::toString(q.scalar_type()));
+  TORCH_CHECK_NOT_IMPLEMENTED((int64_t)prop.sharedMemPerBlockOptin >= sm80->smem_bytes, "flashcore: the "
+              "variable-length backward for head_dim ", head_dim, " needs ", sm80->smem_bytes, " bytes of shared "
+              "memory a block; ", prop.name, " grants ", prop.sharedMemPerBlockOptin);
+  return *sm80;
 }
 
 // The bitwise-reproducible varlen backward: the composite (ATen) backward on each sequence alone, written into the
@@ -370,23 +446,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
     return {grad_query, grad_key, grad_value};
   }
 
-  const auto dtype = to_dtype(query_in.scalar_type());
   const int64_t D = query_in.size(2);
-  const cuda::BwdKernelEntry* kernel = cuda::find_bwd_kernel("sm80", (int)D, dtype, /*score_mod=*/true);
-  TORCH_CHECK(kernel != nullptr && kernel->launch_varlen != nullptr, "flashcore: this build has no variable-length "
-              "backward kernel for head_dim ", D, " and dtype ", c10::toString(query_in.scalar_type()));
-  TORCH_CHECK_NOT_IMPLEMENTED((int64_t)prop.sharedMemPerBlockOptin >= kernel->smem_bytes, "flashcore: the "
-              "variable-length backward for head_dim ", D, " needs ", kernel->smem_bytes, " bytes of shared memory a "
-              "block; ", prop.name, " grants ", prop.sharedMemPerBlockOptin);
   const at::Tensor q = packed_aligned_for_16b_loads(query_in), k = packed_aligned_for_16b_loads(key_in);
   const at::Tensor v = packed_aligned_for_16b_loads(value_in), o = packed_aligned_for_16b_loads(out_in);
   const at::Tensor dout = packed_aligned_for_16b_loads(grad_out_in);
-  const BwdParams p = make_varlen_bwd_params(dout, q, k, v, o, lse, at::Tensor(), grad_key, grad_value, args, opts,
-                                             deterministic);
+  const cuda::BwdKernelEntry* kernel =
+      &select_varlen_bwd_kernel(dout, q, k, v, prop, max_seqlen_q, transforms_scores(opts));
+  BwdParams p = make_varlen_bwd_params(dout, q, k, v, o, lse, at::Tensor(), grad_key, grad_value, args, opts,
+                                       deterministic);
+  const VarlenSchedule schedule = plan_varlen_schedule(args.cu_seqlens_q, args.cu_seqlens_k, max_seqlen_k, k.size(0),
+                                                       kernel->varlen_tile, p.varlen);
   const int64_t total_q = q.size(0), Hq = q.size(1);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dsum = at::empty({Hq, total_q}, f32);
-  at::Tensor dq_accum = at::empty({Hq, total_q, kernel->head_dim_tile}, f32);
+  const int64_t dq_cols = kernel->dq_cols_exact ? D : kernel->head_dim_tile;
+  at::Tensor dq_accum = at::empty({Hq, total_q, dq_cols}, f32);
   poison_if_enabled({dsum, dq_accum});
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // The pre-pass sees the packed rows as one sequence of total_q rows per head (lse's layout): it reads every row
@@ -396,8 +470,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   rows.seqlen_q = total_q;
   rows.varlen = VarlenParams{};
   cuda::launch_bwd_prepass(rows, q.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(),
-                           total_q, kernel->head_dim_tile, stream);
-  record_kernel(Pass::kBwd, KernelTrace{"sm80", kernel->head_dim_tile, 0, 1, false, true, true});
+                           total_q, (int)dq_cols, stream);
+  record_kernel(Pass::kBwd, KernelTrace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod, true});
   kernel->launch_varlen(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
   grad_query.copy_(dq_accum.transpose(0, 1).narrow(2, 0, D));
   return {grad_query, grad_key, grad_value};

@@ -25,7 +25,7 @@ struct FwdKernelEntry {
   DType dtype;
   bool score_mod;      // the score-mod variant (softcap, ALiBi, non-positive scale; score_mod.h)
   FwdLaunchFn launch;
-  // The variable-length launcher (seqlen.h), or nullptr: the sm80 score-mod entries carry it.
+  // The variable-length launcher (seqlen.h), or nullptr: the sm80 score-mod entries and the sm90 entries carry it.
   FwdLaunchFn launch_varlen = nullptr;
 };
 
@@ -39,8 +39,10 @@ struct BwdKernelEntry {
   BwdLaunchFn launch;
   // dq_accum's columns: head_dim itself (the kernel's TMA reductions drop columns past it), else head_dim_tile.
   bool dq_cols_exact = false;
-  // The variable-length launcher: dsum (heads_q, total_q), dq_accum (heads_q, total_q, head_dim_tile), zeroed.
+  // The variable-length launcher: dsum (heads_q, total_q), dq_accum (heads_q, total_q, dq columns as above), zeroed.
   BwdLaunchFn launch_varlen = nullptr;
+  // Keys of the varlen kernel's blocks when fixed (then its grid can be packed: VarlenParams::tile_end), or 0.
+  int varlen_tile = 0;
 };
 
 // Return true so that they can initialize a namespace-scope constant in an instantiation file.

@@ -41,7 +41,8 @@ struct FwdBlock {
 // below 2^31, so FastDiv's 32-bit quotients are exact. The query block stays a plain int division of the tile:
 // computed that way it lives in uniform registers, and the mask tests of the key loop with it (a FastDiv there
 // moved them to the vector pipe and changed the schedule of every key loop).
-// kVarlen: a variable-length batch; the block's query rows may lie past its sequence's end (the caller exits).
+// kVarlen: a variable-length batch; the block's query rows may lie past its sequence's end (the caller exits). The
+// varlen caller waits for prior grids first: the offsets may come from the previous kernel.
 template <typename Element, int kBlockM, int kBlockN, bool kVarlen = false>
 __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks, int tile) {
   FwdBlock<Element> blk;

@@ -4,5 +4,5 @@
 
 namespace {
 const bool registered = flashcore::cuda::register_fwd_kernel(
-    {"sm90", 128, flashcore::cuda::DType::kBf16, true, &flashcore::sm90::launch_fwd<128, __nv_bfloat16, true>, &flashcore::sm90::launch_fwd_varlen<128, __nv_bfloat16>});
+    {"sm90", 128, flashcore::cuda::DType::kBf16, true, &flashcore::sm90::launch_fwd<128, __nv_bfloat16, true>, &flashcore::sm90::launch_fwd_varlen<128, __nv_bfloat16, true>});
 }  // namespace

@@ -4,5 +4,5 @@
 
 namespace {
 const bool registered = flashcore::cuda::register_fwd_kernel(
-    {"sm90", 256, flashcore::cuda::DType::kBf16, false, &flashcore::sm90::launch_fwd<256, __nv_bfloat16, false>});
+    {"sm90", 256, flashcore::cuda::DType::kBf16, false, &flashcore::sm90::launch_fwd<256, __nv_bfloat16, false>, &flashcore::sm90::launch_fwd_varlen<256, __nv_bfloat16, false>});
 }  // namespace

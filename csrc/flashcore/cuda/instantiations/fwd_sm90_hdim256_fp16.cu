@@ -4,5 +4,5 @@
 
 namespace {
 const bool registered = flashcore::cuda::register_fwd_kernel(
-    {"sm90", 256, flashcore::cuda::DType::kFp16, false, &flashcore::sm90::launch_fwd<256, __half, false>});
+    {"sm90", 256, flashcore::cuda::DType::kFp16, false, &flashcore::sm90::launch_fwd<256, __half, false>, &flashcore::sm90::launch_fwd_varlen<256, __half, false>});
 }  // namespace

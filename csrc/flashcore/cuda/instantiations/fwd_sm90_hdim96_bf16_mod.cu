@@ -4,5 +4,5 @@
 
 namespace {
 const bool registered = flashcore::cuda::register_fwd_kernel(
-    {"sm90", 96, flashcore::cuda::DType::kBf16, true, &flashcore::sm90::launch_fwd<96, __nv_bfloat16, true>, &flashcore::sm90::launch_fwd_varlen<96, __nv_bfloat16>});
+    {"sm90", 96, flashcore::cuda::DType::kBf16, true, &flashcore::sm90::launch_fwd<96, __nv_bfloat16, true>, &flashcore::sm90::launch_fwd_varlen<96, __nv_bfloat16, true>});
 }  // namespace

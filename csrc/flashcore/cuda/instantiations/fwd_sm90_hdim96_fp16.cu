@@ -4,5 +4,5 @@
 
 namespace {
 const bool registered = flashcore::cuda::register_fwd_kernel(
-    {"sm90", 96, flashcore::cuda::DType::kFp16, false, &flashcore::sm90::launch_fwd<96, __half, false>});
+    {"sm90", 96, flashcore::cuda::DType::kFp16, false, &flashcore::sm90::launch_fwd<96, __half, false>, &flashcore::sm90::launch_fwd_varlen<96, __half, false>});
 }  // namespace

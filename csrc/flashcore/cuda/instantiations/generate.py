@@ -48,9 +48,14 @@ for (kind, family), hdims in KERNELS.items():
             for mod in (False, True):
                 path = os.path.join(HERE, f"{kind}_{family}_hdim{hdim}_{dtype}{'_mod' if mod else ''}.cu")
                 template = FWD if kind == "fwd" else BWD
-                fwd_varlen = f", &flashcore::{family}::launch_fwd_varlen<{hdim}, {ctype}>" if mod else ""
-                bwd_varlen = (f", &flashcore::sm80::launch_bwd_varlen<{hdim}, {ctype}>" if mod and family == "sm80"
-                              else "")
+                # Varlen launchers: the score-mod entries of both families; the sm90 plain entries too (the
+                # mma.sync family runs every varlen call on its score-mod kernels).
+                varlen_args = f"{hdim}, {ctype}" + (f", {'true' if mod else 'false'}" if family == "sm90" else "")
+                with_varlen = mod or family == "sm90"
+                # sm90 backward: also the tile a packed varlen grid is cut into (kernel_registry.h: varlen_tile).
+                tile = f", flashcore::sm90::bwd_varlen_tile<{varlen_args}>()" if family == "sm90" else ""
+                fwd_varlen = f", &flashcore::{family}::launch_fwd_varlen<{varlen_args}>" if with_varlen else ""
+                bwd_varlen = f", &flashcore::{family}::launch_bwd_varlen<{varlen_args}>{tile}" if with_varlen else ""
                 with open(path, "w") as f:
                     f.write(template.format(family=family, hdim=hdim, dtype=dtype, ctype=ctype, enum=enum,
                                             mod="true" if mod else "false", fwd_varlen=fwd_varlen,

@@ -82,7 +82,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   // Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first.
   const int n_block = (int)(blockIdx.x % num_n_blocks);
   uint32_t h_kv32;
-  const int64_t b = p.heads_kv_div.divmod(blockIdx.x / num_n_blocks, h_kv32);  // < gridDim.x < 2^31
+  const int64_t slot = p.heads_kv_div.divmod(blockIdx.x / num_n_blocks, h_kv32);  // < gridDim.x < 2^31
+  const int64_t b = kVarlen ? p.varlen.sequence_of_slot(slot) : slot;
   const int64_t h_kv = h_kv32;
   const int n0 = n_block * kBlockN;
   const SeqInfo seq = p.seq(b);  // dense: (0, 0, seqlen_q, seqlen_k)

@@ -77,6 +77,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int lane = threadIdx.x & 31;
   const int warp = threadIdx.x >> 5;
   const int warp_row0 = warp * Traits::kWarpRows;  // first row of this warp inside the block
+  // Varlen: the offsets and the launch order (seqlen.h) are global memory the previous grid may have written.
+  if constexpr (kVarlen) ptx::wait_for_prior_grids();
   const cuda::FwdBlock<Element> blk = cuda::fwd_block<Element, kBlockM, kBlockN, kVarlen>(p, num_m_blocks);
   if (kVarlen && blk.m0 >= blk.seqlen_q) return;
   const int seqlen_q = kVarlen ? blk.seqlen_q : (int)p.seqlen_q;
@@ -101,8 +103,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int frag_row0 = m0 + warp_row0 + (lane >> 2);
   const int frag_col_in_tile = 2 * (lane & 3);
 
-  // Launched with programmatic dependent launch (ptx/grid_dependency.cuh): nothing above touches global memory.
-  ptx::wait_for_prior_grids();
+  // Launched with programmatic dependent launch (ptx/grid_dependency.cuh): nothing above touches global memory
+  // (but the varlen offsets, read after the wait above).
+  if constexpr (!kVarlen) ptx::wait_for_prior_grids();
 
   if (n_count > 0) {
     cuda::load_tile_async<QTile, kNThreads>(sQ, blk.q, p.q_stride.seq, m0, seqlen_q, head_dim);

@@ -85,11 +85,20 @@ struct BwdRowStats {
       const int row = step.m0(kBlockM) + v % kBlockM;
       raw[j] = 0.f;
       if (v >= kValues) continue;
-      if (row >= (int)p.seqlen_q) {
-        raw[j] = v < kBlockM ? -INFINITY : 0.f;
-        continue;
+      int64_t idx;
+      if constexpr (Traits::kVarlen) {
+        if (row >= blk.seqlen_q) {
+          raw[j] = v < kBlockM ? -INFINITY : 0.f;
+          continue;
+        }
+        idx = step.head * p.varlen.total_q + blk.q_begin + row;
+      } else {
+        if (row >= (int)p.seqlen_q) {
+          raw[j] = v < kBlockM ? -INFINITY : 0.f;
+          continue;
+        }
+        idx = (blk.b * p.heads_q + step.head) * p.seqlen_q + row;
       }
-      const int64_t idx = (blk.b * p.heads_q + step.head) * p.seqlen_q + row;
       raw[j] = v < kBlockM ? p.lse[idx] : dsum[idx];
     }
   }
@@ -170,17 +179,22 @@ __device__ __forceinline__ void dscores_t(float (&dp)[4 * kQTiles], const float 
 }
 
 // Epilogue: dK (scaled) and dV of this thread's two keys (key_lo, key_lo + 8), columns col0 + 8 ni + 2t (+1),
-// straight from the accumulators.
-template <typename Element, int kCols>
+// straight from the accumulators. Varlen: keys of the sequence from its first row (the batch stride is 0).
+template <typename Element, int kCols, bool kVarlen>
 __device__ __forceinline__ void write_dk_dv(const float (&dk)[kCols / 2], const float (&dv)[kCols / 2],
                                             const BwdParams& p, const BwdBlock& blk, int key_lo, int col0, int t) {
   Element* dk_out = static_cast<Element*>(p.dk) + blk.b * p.dk_stride.batch + blk.h_kv * p.dk_stride.head;
   Element* dv_out = static_cast<Element*>(p.dv) + blk.b * p.dv_stride.batch + blk.h_kv * p.dv_stride.head;
+  if constexpr (kVarlen) {
+    dk_out += (int64_t)blk.k_begin * p.dk_stride.seq;
+    dv_out += (int64_t)blk.k_begin * p.dv_stride.seq;
+  }
   const int head_dim = (int)p.head_dim;
+  const int seqlen_k = kVarlen ? blk.seqlen_k : (int)p.seqlen_k;
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = key_lo + 8 * half;
-    if (key >= (int)p.seqlen_k) continue;
+    if (key >= seqlen_k) continue;
 #pragma unroll
     for (int ni = 0; ni < kCols / 8; ++ni) {
       const int col = col0 + ni * 8 + 2 * t;
@@ -191,6 +205,26 @@ __device__ __forceinline__ void write_dk_dv(const float (&dk)[kCols / 2], const 
           cuda::pack2<Element>(dv[4 * ni + 2 * half], dv[4 * ni + 2 * half + 1]);
     }
   }
+}
+
+// Varlen: the band the consumers mask with, their sequence's, which the first thread of each warpgroup copies to
+// the warpgroup's shared slot (the consumers have no registers to hold it across their loop). The copy is read
+// only after the warpgroup's first barrier; until then (the block's unmasked tiles) blk.band serves. Dense
+// kernels read the call's band from the parameters instead (no registers either).
+template <typename Traits>
+__device__ __forceinline__ const Band& varlen_consumer_band(const BwdBlock& blk, const BwdSharedStorage<Traits>& smem,
+                                                            int tid) {
+  Band* slot = smem.seq_band + tid / 128;
+  if (tid % 128 == 0) *slot = blk.band;
+  return *slot;
+}
+
+// The score transform of a step's head; varlen: ALiBi's distance from the sequence's own aligned diagonal.
+template <typename Traits>
+__device__ __forceinline__ ScoreMod step_score_mod(const BwdParams& p, const BwdBlock& blk, int head) {
+  ScoreMod mod = ScoreMod::make(p.score, p.scale_log2, blk.b, head);
+  if constexpr (Traits::kVarlen) mod.alibi_offset = blk.seqlen_k - blk.seqlen_q;
+  return mod;
 }
 
 template <typename Traits>
@@ -210,8 +244,10 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   const int wg = tid >> 7;
   const int warp_row = ((tid >> 5) & 3) * 16;  // this warp's first row inside the warpgroup's 64
   const uint32_t k_addr = ptx::smem_addr(smem.k), v_addr = ptx::smem_addr(smem.v);
-  const Band& band = p.band;
-  const TileRange unmasked = band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM);  // steps the mask can skip
+  const Band& band = Traits::kVarlen ? varlen_consumer_band<Traits>(blk, smem, tid) : p.band;
+  const TileRange unmasked =  // steps the mask can skip
+      Traits::kVarlen ? blk.band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM)
+                      : p.band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM);
   const int key_lo = blk.n0 + 64 * wg + warp_row + g;  // keys of this thread's accumulator rows: key_lo, key_lo + 8
   float* dq_stage = smem.dq_staging(wg);
 
@@ -281,7 +317,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     const bool needs_mask = !unmasked.contains(cursor.m_index);
     uint32_t dtanh[kSVals / 2];  // score-mod variant only: 1 - tanh^2, fp16 pairs
     ScoreMod mod;
-    if constexpr (Traits::kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, blk.b, cursor.head);
+    if constexpr (Traits::kScoreMod) mod = step_score_mod<Traits>(p, blk, cursor.head);
     probabilities_t<kQTiles, Traits::kScoreMod>(s, dtanh, lse, p, mod, band, m0, 0, key_lo, needs_mask, t);
     // dV needs only P: with 64-row steps it goes to the tensor cores behind dP^T and runs while dS is computed.
     // With 128-row steps P, dP and P's fragments would not fit in registers together: dV waits for dS.
@@ -394,7 +430,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   }
   if (blk.steps > 0) hand_off_dq();  // the last step's
 
-  write_dk_dv<Element, kHeadDim>(dk, dv, p, blk, key_lo, 0, t);
+  write_dk_dv<Element, kHeadDim, Traits::kVarlen>(dk, dv, p, blk, key_lo, 0, t);
 }
 
 }  // namespace flashcore::sm90

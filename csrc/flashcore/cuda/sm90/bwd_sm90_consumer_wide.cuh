@@ -50,8 +50,10 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
   const int wg = tid >> 7;
   const int warp_row = ((tid >> 5) & 3) * 16;  // this warp's first key (and dQ query) inside the block's 64
   const uint32_t k_addr = ptx::smem_addr(smem.k), v_addr = ptx::smem_addr(smem.v);
-  const Band& band = p.band;
-  const TileRange unmasked = band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM);  // steps the mask can skip
+  const Band& band = Traits::kVarlen ? varlen_consumer_band<Traits>(blk, smem, tid) : p.band;
+  const TileRange unmasked =  // steps the mask can skip
+      Traits::kVarlen ? blk.band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM)
+                      : p.band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM);
   const int key_lo = blk.n0 + warp_row + g;  // keys of this thread's accumulator rows: key_lo, key_lo + 8
   const int q_lo = kWgQueries * wg;          // first query (in the step) of this warpgroup's S^T columns
   // Byte offset of this warpgroup's first column span in a Q/dO tile (spans of kBlockM rows x 128 bytes).
@@ -102,7 +104,7 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
     const bool needs_mask = !unmasked.contains(cursor.m_index);
     uint32_t dtanh[kSVals / 2];  // score-mod variant only: 1 - tanh^2, fp16 pairs
     ScoreMod mod;
-    if constexpr (Traits::kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, blk.b, cursor.head);
+    if constexpr (Traits::kScoreMod) mod = step_score_mod<Traits>(p, blk, cursor.head);
     probabilities_t<kQTiles, Traits::kScoreMod>(s, dtanh, lse, p, mod, band, m0, q_lo, key_lo, needs_mask, t);
     load_query_pairs<kQTiles>(stats + kBlockM, q_lo, t, dsum_q);
     ptx::wgmma_wait<0>();
@@ -183,7 +185,7 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
     if (lane == 0) ptx::mbarrier_arrive(&smem.qdo_empty[stage]);  // Q of this stage is no longer read
   }
 
-  write_dk_dv<Element, kWgCols>(dk, dv, p, blk, key_lo, kWgCols * wg, t);  // this warpgroup's columns
+  write_dk_dv<Element, kWgCols, Traits::kVarlen>(dk, dv, p, blk, key_lo, kWgCols * wg, t);  // this warpgroup's columns
 }
 
 }  // namespace flashcore::sm90

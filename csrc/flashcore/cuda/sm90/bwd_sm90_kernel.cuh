@@ -10,6 +10,8 @@
 //   dQ writer (one thread of the producer warpgroup's second warp): adds each staged dQ tile to the fp32
 //     accumulator with TMA reductions (bwd_sm90_producer.cuh).
 // The pre-pass (bwd_preprocess.cuh) computes dsum = rowsum(dO * O) first; dq_accum is converted to dQ after.
+// Variable-length batches (Traits::kVarlen): one block per (key block of max_seqlen_k, sequence, kv head), reading
+// its sequence's rows of the packed tensors (seqlen.h).
 #pragma once
 
 #include <cuda.h>
@@ -58,7 +60,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   }
   __syncthreads();
 
-  const BwdBlock blk = bwd_block<Traits::kBlockM, Traits::kBlockN>(p, num_n_blocks);
+  const BwdBlock blk = bwd_block<Traits::kBlockM, Traits::kBlockN, Traits::kVarlen>(p, num_n_blocks);
+  // Varlen: the grid covers max_seqlen_k; a block past its sequence's keys owns no dK/dV row (the whole block
+  // leaves together, before any barrier but the one above).
+  if (Traits::kVarlen && blk.n0 >= blk.seqlen_k) return;
   if (threadIdx.x >= Traits::kConsumerThreads) {
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
     if (threadIdx.x == Traits::kConsumerThreads) {

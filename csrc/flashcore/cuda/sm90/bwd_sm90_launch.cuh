@@ -30,6 +30,12 @@ constexpr int bwd_block_m() {
   return BwdSm90Traits<kHeadDim, Element, kScoreMod>::kBlockM;
 }
 
+// Keys of the varlen kernel's blocks (BwdKernelEntry::varlen_tile: the packed grid's tile).
+template <int kHeadDim, typename Element, bool kScoreMod>
+constexpr int bwd_varlen_tile() {
+  return BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/true>::kBlockN;
+}
+
 template <int kHeadDim, typename Element, bool kScoreMod>
 void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
   using Traits = BwdSm90Traits<kHeadDim, Element, kScoreMod>;
@@ -53,6 +59,40 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
                                                    Traits::kDqBoxCols, Traits::kDqBoxRows);
   const int num_n_blocks = (int)((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
   const int64_t grid = (int64_t)num_n_blocks * p.batch * p.heads_kv;  // the dispatcher checked grid <= INT32_MAX
+  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq,
+                                                                            dsum, num_n_blocks);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// A variable-length batch (seqlen.h): the plain or score-mod variant built for varlen, one block per (key block of
+// max_seqlen_k = p.seqlen_k, sequence slot, kv head). The descriptors cover the packed tensors as one
+// (1, heads, total, dim) entry each (the dispatcher checks that TMA can describe them); dq_accum is
+// (heads_q, total_q, head_dim) fp32, zeroed, addressed as heads_q * total_q rows (< 2^31: the dispatcher checks).
+template <int kHeadDim, typename Element, bool kScoreMod>
+void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
+  using Traits = BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/true>;
+  auto kernel = &bwd_sm90_kernel<Traits>;
+  constexpr int kSmem = Traits::kSmemBytes;
+  static std::atomic<uint64_t> configured_devices{0};
+  cuda::set_max_dynamic_smem_once(kernel, kSmem, configured_devices);
+
+  constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
+  const int64_t total_q = p.varlen.total_q, total_k = p.varlen.total_k;
+  const CUtensorMap tm_q =
+      make_tensor_map_bhsd(p.q, p.q_stride, 1, p.heads_q, total_q, p.head_dim, Traits::kBlockM, kBf16);
+  const CUtensorMap tm_do =
+      make_tensor_map_bhsd(p.dout, p.dout_stride, 1, p.heads_q, total_q, p.head_dim, Traits::kBlockM, kBf16);
+  const CUtensorMap tm_k =
+      make_tensor_map_bhsd(p.k, p.k_stride, 1, p.heads_kv, total_k, p.head_dim, Traits::kBlockN, kBf16);
+  const CUtensorMap tm_v =
+      make_tensor_map_bhsd(p.v, p.v_stride, 1, p.heads_kv, total_k, p.head_dim, Traits::kBlockN, kBf16);
+  const CUtensorMap tm_dq = make_tensor_map_f32_2d(dq_accum, p.heads_q * total_q, p.head_dim, Traits::kDqBoxCols,
+                                                   Traits::kDqBoxRows);
+  const int num_n_blocks = (int)((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
+  // A packed grid (VarlenParams::tile_end, built for kBlockN) or max_seqlen_k's key blocks for every sequence; no
+  // larger than the latter, which the dispatcher checked against INT32_MAX.
+  const int64_t grid = p.varlen.tile_end != nullptr ? p.varlen.grid_tiles * p.heads_kv
+                                                    : (int64_t)num_n_blocks * p.batch * p.heads_kv;
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq,
                                                                             dsum, num_n_blocks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

@@ -18,12 +18,14 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
                                             const CUtensorMap* tm_q, const CUtensorMap* tm_k,
                                             const CUtensorMap* tm_v, const CUtensorMap* tm_do) {
   if (blk.steps == 0) return;
-  const int b = (int)blk.b, h_kv = (int)blk.h_kv;
+  // Varlen: the packed tensors are one batch entry; the sequence's rows start at q_begin / k_begin.
+  const int b = Traits::kVarlen ? 0 : (int)blk.b, h_kv = (int)blk.h_kv;
+  const int k_row0 = Traits::kVarlen ? blk.k_begin + blk.n0 : blk.n0;
   ptx::mbarrier_arrive_expect_tx(smem.kv_full, 2 * Traits::kKVBytes);
 #pragma unroll
   for (int span = 0; span < Traits::kSpans; ++span) {
-    ptx::tma_load_4d(smem.k + span * Traits::kBlockN * 64, tm_k, smem.kv_full, span * 64, blk.n0, h_kv, b);
-    ptx::tma_load_4d(smem.v + span * Traits::kBlockN * 64, tm_v, smem.kv_full, span * 64, blk.n0, h_kv, b);
+    ptx::tma_load_4d(smem.k + span * Traits::kBlockN * 64, tm_k, smem.kv_full, span * 64, k_row0, h_kv, b);
+    ptx::tma_load_4d(smem.v + span * Traits::kBlockN * 64, tm_v, smem.kv_full, span * 64, k_row0, h_kv, b);
   }
   // The step's head and query block are walked (BwdStepCursor): a division by m_count and 64-bit products do
   // not fit in this thread's kProducerRegs registers (they spilled on every step). No unrolling for the same
@@ -32,7 +34,7 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
 #pragma unroll 1
   for (int step = 0; step < blk.steps; ++step, cursor = cursor.next()) {
     const int stage = step % Traits::kStages;
-    const int m0 = cursor.m0(Traits::kBlockM), h = cursor.head;
+    const int m0 = cursor.m0(Traits::kBlockM) + (Traits::kVarlen ? blk.q_begin : 0), h = cursor.head;
     ptx::mbarrier_wait(&smem.qdo_empty[stage], ptx::empty_parity(step / Traits::kStages));
     ptx::mbarrier_arrive_expect_tx(&smem.qdo_full[stage], (Traits::kSeparateDo ? 1 : 2) * Traits::kQBytes);
 #pragma unroll
@@ -63,9 +65,14 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
                                              const BwdSharedStorage<Traits>& smem, const CUtensorMap* tm_dq) {
   constexpr int kBlockM = Traits::kBlockM, kW = Traits::kWarpgroups;
   // The accumulator row of the step's first query, walked incrementally (this thread has 24 registers): the
-  // steps run over the query blocks of one head, then the next head of the group.
-  const int dq_rows_per_head = (int)((p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM);
-  const int head_row0 = (int)((blk.b * p.heads_q + blk.h_kv * blk.group) * dq_rows_per_head);
+  // steps run over the query blocks of one head, then the next head of the group. Dense: (batch, head, padded
+  // seqlen_q) rows. Varlen: (head, total_q) rows like lse, the sequence's from q_begin (the host keeps
+  // heads_q * total_q below 2^31); a box past the sequence's end adds zeros to the next rows.
+  const int dq_rows_per_head =
+      Traits::kVarlen ? (int)p.varlen.total_q : (int)((p.seqlen_q + kBlockM - 1) / kBlockM * kBlockM);
+  const int head_row0 = Traits::kVarlen
+                            ? (int)(blk.h_kv * blk.group * dq_rows_per_head + blk.q_begin)
+                            : (int)((blk.b * p.heads_q + blk.h_kv * blk.group) * dq_rows_per_head);
   int row0 = head_row0 + blk.m_begin * kBlockM, m_left = blk.m_count;
   for (int step = 0; step < blk.steps; ++step) {
 #pragma unroll

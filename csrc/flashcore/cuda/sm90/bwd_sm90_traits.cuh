@@ -11,10 +11,15 @@
 namespace flashcore::sm90 {
 
 // kScoreMod_: the score-mod variant (softcap, ALiBi, or a scale that is not positive; score_mod.h).
-template <int kHeadDim_, typename Element_, bool kScoreMod_ = false>
+// kVarlen_: a variable-length batch (seqlen.h). TMA reads the packed tensors as one (1, heads, total, dim) entry at
+// each sequence's rows; rows past a sequence's end belong to the next sequence, and are hidden as in the dense
+// kernel's tail: queries by lse = +inf (P = 0, so dS = 0), keys by the band's sequence end (P = 0, and their dK/dV
+// rows are not stored). dQ's zero rows past the end are added to the next sequence's accumulator rows (exact: x + 0).
+template <int kHeadDim_, typename Element_, bool kScoreMod_ = false, bool kVarlen_ = false>
 struct BwdSm90Traits {
   using Element = Element_;
   static constexpr bool kScoreMod = kScoreMod_;
+  static constexpr bool kVarlen = kVarlen_;
   using Config = BwdSm90Config<kHeadDim_>;
   // kHeadDim is the width the GEMMs compute; the shared-memory tiles are whole 64-element swizzle spans
   // (kTileCols). Head dim 96 keeps the 128-wide tiles: S^T and dP^T take 6 k-steps, dV and dK are n96, and the
@@ -84,9 +89,12 @@ struct BwdSm90Traits {
   static constexpr int kPtBuffers = kSplitHeadDim ? kDsBuffers : 0;
   static constexpr int kBarriers = 1 + 2 * kStages + (kSeparateDo ? 2 * kDoStages : 0) + 2 * kWarpgroups;
   // Tiles are 1024-byte aligned (the swizzle atom); the first 1024 bytes cover aligning the dynamic base.
+  // Varlen: the sequence's band in shared memory after the barriers, a copy for each consumer warpgroup (they may
+  // synchronize apart), as the consumers have no registers to hold it across their loop.
+  static constexpr int kBandBytes = kVarlen ? 32 * kWarpgroups : 0;  // a copy a warpgroup
   static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + (kStages + kDoStages) * kQBytes +
                                     (kDsBuffers + kPtBuffers) * kDsBytes + kWarpgroups * kDqWgBytes +
-                                    2 * kRowStatCopies * kRowStatBytes + 8 * kBarriers;
+                                    2 * kRowStatCopies * kRowStatBytes + 8 * kBarriers + kBandBytes;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
@@ -108,6 +116,7 @@ struct BwdSharedStorage {
   uint64_t* do_empty;   // kDoStages, kSeparateDo only (else = qdo_empty)
   uint64_t* dq_full;    // kWarpgroups: a warpgroup's dQ is staged (its 4 warps arrive)
   uint64_t* dq_empty;   // kWarpgroups: the dQ writer's reduction has read the staging tile
+  Band* seq_band;       // varlen: kWarpgroups copies of the block's sequence's band (kBandBytes)
 
   __device__ __forceinline__ explicit BwdSharedStorage(unsigned char* raw) {
     // Pointer arithmetic on raw (not an integer round trip) keeps the pointers provably in shared memory, so
@@ -132,6 +141,7 @@ struct BwdSharedStorage {
     do_empty = Traits::kSeparateDo ? do_full + Traits::kDoStages : qdo_empty;
     dq_full = qdo_empty + Traits::kStages + (Traits::kSeparateDo ? 2 * Traits::kDoStages : 0);
     dq_empty = dq_full + Traits::kWarpgroups;
+    seq_band = reinterpret_cast<Band*>(bars + Traits::kBarriers);
   }
   __device__ __forceinline__ Element* q_stage(int s) const { return q + s * Traits::QTile::kElems; }
   __device__ __forceinline__ Element* dout_stage(int s) const { return dout + s * Traits::QTile::kElems; }
@@ -155,6 +165,10 @@ struct BwdBlock {
   int64_t b, h_kv, group;
   int m_begin, m_count;  // query blocks [m_begin, m_begin + m_count) of every head of the group
   int steps;             // group * m_count
+  // Varlen only (the dense kernels read p.seqlen_q/p.seqlen_k/p.band): the sequence's first rows in the packed
+  // tensors, its lengths and its band. Indices n0, m0 and the band's are relative to the sequence.
+  int q_begin, k_begin, seqlen_q, seqlen_k;
+  Band band;
 };
 
 // (query head, query block) of successive steps of a BwdBlock: the steps run over the query blocks of one head,
@@ -177,9 +191,47 @@ struct BwdStepCursor {
   }
 };
 
-// Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first.
+// Varlen: the block of a packed grid (VarlenParams::tile_end: a slot's key blocks of one head side by side, the
+// heavier first) or of a grid of max_seqlen_k's key blocks for every slot; a block past its sequence's keys (or
+// past the packed grid's last slot: seqlen_k = 0) exits in the kernel.
 template <int kBlockM, int kBlockN>
+__device__ __forceinline__ BwdBlock varlen_bwd_block(const BwdParams& p, int num_n_blocks) {
+  BwdBlock blk;
+  bool in_grid = true;
+  int64_t slot;
+  if (p.varlen.tile_end != nullptr) {
+    PackedTile t;
+    in_grid = locate_packed_tile(p.varlen, p.batch, p.heads_kv, blockIdx.x, t);
+    blk.n_block = t.tile;
+    slot = t.slot;
+    blk.h_kv = t.head;
+  } else {
+    blk.n_block = (int)(blockIdx.x % num_n_blocks);
+    uint32_t h_kv;
+    slot = p.heads_kv_div.divmod(blockIdx.x / num_n_blocks, h_kv);
+    blk.h_kv = h_kv;
+  }
+  blk.b = p.varlen.sequence_of_slot(slot);
+  blk.group = p.group;
+  blk.n0 = blk.n_block * kBlockN;
+  const SeqInfo seq = p.seq(blk.b);
+  blk.q_begin = (int)seq.q_begin;  // < 2^31: the host checks the packed lengths
+  blk.k_begin = (int)seq.k_begin;
+  blk.seqlen_q = (int)seq.seqlen_q;
+  blk.seqlen_k = in_grid ? (int)seq.seqlen_k : 0;
+  blk.band = p.band_of(seq);
+  const IndexRange m_tiles =
+      Band::tiles(blk.band.queries_of_keys(blk.n0, (int64_t)blk.n0 + kBlockN, seq.seqlen_q), kBlockM);
+  blk.m_begin = (int)m_tiles.begin;
+  blk.m_count = (int)m_tiles.size();
+  blk.steps = (int)(p.group * blk.m_count);
+  return blk;
+}
+
+// Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first.
+template <int kBlockM, int kBlockN, bool kVarlen>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p, int num_n_blocks) {
+  if constexpr (kVarlen) return varlen_bwd_block<kBlockM, kBlockN>(p, num_n_blocks);
   BwdBlock blk;
   blk.n_block = (int)(blockIdx.x % num_n_blocks);
   const uint32_t bhkv = blockIdx.x / num_n_blocks;

@@ -163,15 +163,15 @@ void launch_fwd_width(const FwdParams& p, int num_sms, cudaStream_t stream) {
   launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWarpgroups>>(p, num_sms, stream);
 }
 
-// A variable-length batch (seqlen.h): the configured width's score-mod variant (it applies any scale, softcap and
-// ALiBi) built for varlen, one block per (sequence, head, query tile) over max_seqlen_q (p.seqlen_q) rows, no key
-// split. The descriptors cover the packed tensors as one (1, heads, total, dim) entry each; the dispatcher checks
+// A variable-length batch (seqlen.h): the configured width's plain or score-mod variant built for varlen, one block
+// per (sequence, head, query tile) over max_seqlen_q (p.seqlen_q) rows, no key split, the batch in its given order
+// (the backward's launch schedule measured 3 % slower here: docs/PERFORMANCE.md). The descriptors cover the packed tensors as one (1, heads, total, dim) entry each; the dispatcher checks
 // that TMA can describe them (tma_compatible with batch 1).
-template <int kHeadDim, typename Element>
+template <int kHeadDim, typename Element, bool kScoreMod>
 void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   using Config = FwdSm90Config<kHeadDim>;
   using Traits = FwdSm90Traits<kHeadDim, Element, Config::kWarpgroups, Config::kBlockN, /*kCompact=*/false,
-                               /*kScoreMod=*/true, /*kVarlen=*/true>;
+                               kScoreMod, /*kVarlen=*/true>;
   auto kernel = configured_fwd_kernel<Traits>();
   constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
   const int64_t total_q = p.varlen.total_q, total_k = p.varlen.total_k;
@@ -183,7 +183,7 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
                                                 kBf16);
   const int num_m_blocks = (int)((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   const int64_t num_tiles = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked <= INT32_MAX
-  record_kernel(Pass::kFwd, KernelTrace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, 1, false, true, true});
+  record_kernel(Pass::kFwd, KernelTrace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, 1, false, kScoreMod, true});
   static cuda::PdlSupport pdl;
   // tm_o: unused by the varlen epilogue (bounded stores), passed to fill the parameter.
   cuda::launch_kernel(kernel, pdl, dim3((unsigned)num_tiles), dim3(Traits::kNThreads), Traits::kSmemBytes, stream, 1u,
