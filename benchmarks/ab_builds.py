@@ -151,7 +151,7 @@ def main() -> int:
         for b in timed:
             vals = per.get(b, [])
             t, r = med([v[0] for v in vals]), med([v[1] for v in vals])
-            cells.append(f"{t:8.2f} ({r:.3f} {ref[-5:]})" if t and r else f"{'-':>24}")
+            cells.append(f"{t:8.2f} ({r:.3f} {ref[-5:]})" if t and r else f"{t:8.2f}" if t else f"{'-':>24}")
         print(f"{label + ' ' + dtype + ' ' + causal:<34} {mode:<7} " + " ".join(f"{c:>{width}}" for c in cells))
     print(f"\nraw JSON in {out_dir}")
     if failed:

@@ -101,7 +101,9 @@ def main():
     ap.add_argument("--dtype", default="bf16", choices=["bf16", "fp16"])
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--backends", default="flashcore,sdpa,fa4")
+    ap.add_argument("--backends", default="flashcore,sdpa,fa4",
+                    help="flashcore, flashcore@NAME=VALUE[+NAME=VALUE] (flashcore with switches set while its graph is captured, "
+                         "e.g. flashcore@FLASHCORE_DECODE_TMA=0 for the cp.async loader), sdpa, fa4")
     ap.add_argument("--num-splits", type=int, default=0, help="flashcore's num_splits (0: its heuristic)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -126,6 +128,25 @@ def main():
             scale = D ** -0.5
             runs["flashcore"] = lambda: kvcache_fwd(q, kc, vc, lens, table, None, None, scale, True, -1, -1, 0.0, None,
                                                     None, args.num_splits)
+        for name in backends:  # flashcore@NAME=VALUE[,...]: flashcore with switches set while its graph is captured
+            if not name.startswith("flashcore@"):
+                continue
+            env = dict(kv.split("=", 1) for kv in name.split("@", 1)[1].split("+"))
+            scale = D ** -0.5
+
+            def with_env(env=env, scale=scale):
+                saved = {k: os.environ.get(k) for k in env}
+                os.environ.update(env)
+                try:
+                    return kvcache_fwd(q, kc, vc, lens, table, None, None, scale, True, -1, -1, 0.0, None, None,
+                                       args.num_splits)
+                finally:
+                    for k, v0 in saved.items():
+                        if v0 is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v0
+            runs[name] = with_env
         if "sdpa" in backends and not page:
             qs = q.transpose(1, 2)
             ks, vs = k.transpose(1, 2), v.transpose(1, 2)
@@ -142,10 +163,13 @@ def main():
             runs["fa4"] = fa4_call
         times = {name: [] for name in runs}
         notes = {}
+        labels = {}
         for _ in range(args.rounds):  # interleaved: each round times every backend once
             for name, fn in list(runs.items()):
                 try:
                     times[name].append(graph_time(fn, args.iters, 1))
+                    if name.startswith("flashcore"):
+                        labels[name] = flashcore.last_kernel("fwd")
                 except Exception as e:  # noqa: BLE001 - report, keep going
                     notes[name] = f"{type(e).__name__}: {str(e)[:80]}"
                     runs.pop(name)
@@ -154,9 +178,7 @@ def main():
                 print(f"{text:<20} {name:<22} {'-':>9} {'-':>7}  {notes[name]}")
                 continue
             ms = statistics.median(times[name])
-            print(f"{text:<20} {name:<22} {ms * 1e3:9.1f} {kv_bytes / (ms * 1e-3) / 1e12:7.2f}")
-        if "flashcore" in runs:
-            print(f"{'':<20} {'':<22} {'':>9} {'':>7}  flashcore ran {flashcore.last_kernel('fwd')}")
+            print(f"{text:<20} {name:<22} {ms * 1e3:9.1f} {kv_bytes / (ms * 1e-3) / 1e12:7.2f}  {labels.get(name, '')}")
         del k, v, kc, vc
 
 

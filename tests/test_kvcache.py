@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+import flashcore
+
 from conftest import (UNIT_ROUNDOFF, capture_graph, check_close, cuda_skip_reason, lowp_attention, lowp_lse,
                       make_generator, reference_attention)
 from flashcore.flash_attn_interface import flash_attn_with_kvcache
@@ -537,9 +539,14 @@ GPU_MODES = {  # B, Sq, Sn, cache lengths before the append: mixed, 0 and full (
 @pytest.mark.parametrize("page_size", [None, 16, 64, 256], ids=lambda p: f"page{p}" if p else "dense")
 @pytest.mark.parametrize("head_dim", GPU_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_kvcache_cuda(request, mode, page_size, head_dim, dtype):
+@pytest.mark.parametrize("loader", ["default", "tma"])
+def test_kvcache_cuda(request, monkeypatch, mode, page_size, head_dim, dtype, loader):
     """Decode and chunked prefill against dense and paged caches, causal, with the append of the new tokens; the
-    head configuration rotates over GQA 32/8, MQA 8/1 and MHA 4/4 so that each meets every mode."""
+    head configuration rotates over GQA 32/8, MQA 8/1 and MHA 4/4 so that each meets every mode. Each case runs
+    with the default K/V loader and with TMA forced wherever it can address the cache (Hopper; elsewhere the same
+    cp.async path twice)."""
+    if loader == "tma":
+        monkeypatch.setenv("FLASHCORE_DECODE_TMA", "1")
     i = list(GPU_MODES).index(mode) + GPU_DIMS.index(head_dim)
     Hq, Hkv = GPU_HEADS[i % 3]
     inputs, kw = make_case(request, "cuda", dtype, Hq=Hq, Hkv=Hkv, D=head_dim, capacity=GPU_CAP,
@@ -600,11 +607,14 @@ def test_kvcache_opcheck_cuda():
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("page_size", [None, 16])
-def test_kvcache_cuda_graph(request, page_size):
+@pytest.mark.parametrize("page_size", [None, 16, 64])
+@pytest.mark.parametrize("loader", ["default", "tma"])
+def test_kvcache_cuda_graph(request, monkeypatch, page_size, loader):
     """One decode step (append with rotary, then attention) captured in a CUDA graph: replays with new cache_seqlens
     and new q/k/v (copied into the captured tensors) give the eager result and the eager caches bitwise, and the
-    replay is right by the reference."""
+    replay is right by the reference. Default K/V loader, and TMA forced (Hopper)."""
+    if loader == "tma":
+        monkeypatch.setenv("FLASHCORE_DECODE_TMA", "1")
     inputs, kw = make_case(request, "cuda", torch.bfloat16, B=4, Sq=1, Sn=1, Hq=16, Hkv=4, D=128, capacity=512,
                            lens=[0, 100, 511, 300], page_size=page_size, causal=True, rotary="neox")
     q, kc, vc = inputs
@@ -626,6 +636,34 @@ def test_kvcache_cuda_graph(request, page_size):
         assert torch.equal(static[0], want[0]) and torch.equal(static[1], want[1])
         assert torch.equal(kc, kc_eager) and torch.equal(vc, vc_eager)
         run_case((q, kc_before, vc_before), kw)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("loader", ["default", "tma", "cp.async"])
+@pytest.mark.parametrize("page_size", [None, 16, 48, 64, 256], ids=lambda p: f"page{p}" if p else "dense")
+@pytest.mark.parametrize("mode", ["decode", "chunk64"])
+def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, mode):
+    """Cache slots outside every entry's keys hold NaN (a serving engine's pool holds anything there): the kernel
+    reads whole tiles and pages, so the keys and values past each entry's length must never reach the output. Each
+    loader: TMA (Hopper; loads what the cache holds, so the kernel zeroes V past the end) forced on every cache it
+    can address, cp.async (zero-fills) forced, and the default choice between them."""
+    if loader != "default":
+        monkeypatch.setenv("FLASHCORE_DECODE_TMA", "1" if loader == "tma" else "0")
+    m = dict(GPU_MODES[mode], Sn=0)
+    inputs, kw = make_case(request, "cuda", torch.bfloat16, Hq=8, Hkv=2, D=128, capacity=GPU_CAP,
+                           page_size=page_size, causal=True, **m)
+    q, k_cache, v_cache = inputs
+    valid = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device="cuda")
+    for b, n in enumerate(lens_list(kw, q.size(0), k_cache)):
+        for slot in entry_slots(k_cache, kw, b)[:n]:
+            valid[slot] = True
+    k_cache[~valid] = float("nan")
+    v_cache[~valid] = float("nan")
+    run_case(inputs, kw, check_cache=False)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    tma = hopper and (loader == "tma" or (loader == "default" and page_size in (64, 256)))
+    assert ("tma" in flashcore.last_kernel("fwd")) == tma, flashcore.last_kernel("fwd")
 
 
 @pytest.mark.gpu

@@ -55,4 +55,12 @@ bool varlen_schedule_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+int decode_tma_forced() {
+  const char* v = env("FLASHCORE_DECODE_TMA");
+  if (v == nullptr) return -1;
+  TORCH_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0,
+              "flashcore: FLASHCORE_DECODE_TMA must be 0 or 1, got '", v, "'");
+  return v[0] - '0';
+}
+
 }  // namespace flashcore

@@ -516,7 +516,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cuda(
     p.o_partial = o_partial.data_ptr<float>();
     p.lse_partial = lse_partial.data_ptr<float>();
   }
-  record_kernel(Pass::kFwd, KernelTrace{"decode", plan.head_dim_tile, 0, plan.splits});
+  record_kernel(Pass::kFwd, KernelTrace{plan.tma ? "decode tma" : "decode", plan.head_dim_tile, 0, plan.splits});
   decode::launch_decode(p, plan, bf16, at::cuda::getCurrentCUDAStream());
   return {out, lse};
 }

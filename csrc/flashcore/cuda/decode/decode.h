@@ -13,9 +13,14 @@ struct DecodePlan {
   int m_blocks = 0;        // blocks of packed query rows
   int splits = 1;          // key splits per (entry, kv head, row block)
   int smem_bytes = 0;
+  bool tma = false;        // Hopper: K/V tiles loaded by TMA (decode_kernel.cuh), else by cp.async
+  int box_rows = 64;       // TMA: keys a box (a dense cache 64; a paged one a divisor of its page size)
 };
 
-// The kernel variant and the key splits of a call: `requested` > 0 forces the split count (flash-attn's
+// The kernel variant and the key splits of a call. The TMA loader is taken on Hopper (the kernel's code built for
+// sm_90, FLASHCORE_DECODE_TMA not 0) where TMA can address the caches: 16-byte strides and base, a dense cache of
+// at least 64 rows, a paged one with pages a multiple of 16 keys and no left pad (a box then never crosses a
+// page). `requested` > 0 forces the split count (flash-attn's
 // num_splits); 0 picks the smallest count whose grid fills the device's waves (every multiprocessor, by the
 // kernel's occupancy) within 10 % of the best, keeping at least 4 key tiles a split.
 DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cudaDeviceProp& prop);

@@ -7,11 +7,19 @@
 // Two warp layouts (kRowsMode): a decode step has few rows (group x new tokens <= 16), so the four warps share one
 // m16 tile of rows and split each 64-key tile into 16-key quarters, merging their softmax states at the end; a
 // chunked prefill has many rows, so each warp owns 16 rows and walks the whole tile (the prefill kernels' layout).
-// Pipeline: kStages K/V stages (cp.async); tiles i + 1 .. i + kStages - 1 stream in while tile i is computed. Rows of each tile are
-// gathered through the page table (one lookup a row), so a page may hold any number of keys.
+// Pipeline: kStages K/V stages; tiles i + 1 .. i + kStages - 1 stream in while tile i is computed. Two loaders:
+//   cp.async (every arch): each thread copies 16-byte chunks; rows are gathered through the page table (one lookup
+//     a row, read one tile ahead), so a page may hold any number of keys. Two stages (a third measured equal).
+//   TMA (Hopper, kTma; decode_launch.cu says where it is taken): thread 0 loads each tile as boxes of 64 columns x
+//     DecodeTmaMaps::box_rows keys (a box never crosses a page: box_rows divides the page size) into the same
+//     swizzled layout (SmemTile's 128-byte rows are TMA's 128-byte swizzle) and signals the stage's mbarrier; about
+//     96 KiB of stages, in flight without address registers or a lookup per row. TMA zero-fills boxes outside the
+//     cache (a page number out of range, keys past the capacity); rows inside the cache but past the entry's
+//     length are whatever the cache holds, so their V rows are zeroed before P V (a NaN there would survive P = 0).
 // Hazard: a stage is refilled only after the __syncthreads that ends the step that read it.
 #pragma once
 
+#include <cuda.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -23,11 +31,21 @@
 #include "../common/smem_tile.cuh"
 #include "../ptx/cp_async.cuh"
 #include "../ptx/math.cuh"
+#include "../ptx/mbarrier.cuh"
+#include "../ptx/tma.cuh"
 #include "../sm80/fwd_sm80_mainloop.cuh"
 
 namespace flashcore::decode {
 
-template <int kHeadDim_, typename Element_, bool kRowsMode_, int kStages_ = 2>
+// The TMA loader's descriptors (kTma): K and V caches as (head_dim, rows of a cache row or page, heads_kv, cache
+// rows or pages), boxes of 64 columns x box_rows rows (64 for a dense cache; a paged one's page size's largest
+// power-of-two divisor up to 64, at least 16).
+struct DecodeTmaMaps {
+  CUtensorMap k, v;
+  int box_rows = 64;
+};
+
+template <int kHeadDim_, typename Element_, bool kRowsMode_, bool kTma_ = false>
 struct DecodeTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the tile: head dims up to it are zero-padded in shared memory
@@ -41,16 +59,23 @@ struct DecodeTraits {
   static constexpr int kNTiles = kWarpKeys / 8;
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
-  static constexpr int kStages = kStages_;
+  static constexpr bool kTma = kTma_;
   using QTile = cuda::SmemTile<kBlockM, kHeadDim>;
   using KVTile = cuda::SmemTile<kBlockN, kHeadDim>;
   static_assert(QTile::kSpanChunks == 8, "head-dim tiles are multiples of 64 (128-byte rows)");
   static constexpr int kStageElems = 2 * KVTile::kElems;  // K, then V
+  static constexpr int kStagesForBytes = 98304 / (kStageElems * (int)sizeof(Element));  // TMA: ~96 KiB of stages
+  // TMA: 3 stages at head dim 128 measured best (2 stages with 3 blocks an SM, or 4 with one, were slower).
+  static constexpr int kStages = !kTma ? 2 : kStagesForBytes < 2 ? 2 : kStagesForBytes > 4 ? 4 : kStagesForBytes;
   // The epilogue's merge buffers reuse the stages: per warp, 16 rows of O (float) and (max, sum) a row.
   static constexpr int kMergeBytes = 4 * 16 * kHeadDim * 4 + 4 * 16 * 2 * 4;
   static constexpr int kStageBytes = kStages * kStageElems * (int)sizeof(Element);
   static_assert(kMergeBytes <= kStageBytes, "merge buffers fit in the stages");
-  static constexpr int kSmemBytes = QTile::kElems * (int)sizeof(Element) + kStageBytes;
+  // TMA: the 128-byte swizzle is a function of address bits, so tiles start on 1024-byte boundaries (slack to align
+  // the dynamic base); the stages' full barriers follow the stages.
+  static constexpr int kAlignSlack = kTma ? 1024 : 0;
+  static constexpr int kBarrierBytes = kTma ? 8 * kStages : 0;
+  static constexpr int kSmemBytes = kAlignSlack + QTile::kElems * (int)sizeof(Element) + kStageBytes + kBarrierBytes;
 };
 
 // cp.async of a (Tile::kNumRows x head-dim tile) tile whose rows lie anywhere (the packed query rows): row_ptr(r) gives row r's address,
@@ -132,8 +157,9 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, int64_t row, 
   if (lane == 0) f.lse[row] = empty ? -INFINITY : m + __logf(l);
 }
 
+// One block of the grid described at the top; maps are read by the TMA loader only.
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_constant__ DecodeParams p) {
+__device__ __forceinline__ void decode_block(const DecodeParams& p, const DecodeTmaMaps& maps) {
   using Element = typename Traits::Element;
   using QTile = typename Traits::QTile;
   using KVTile = typename Traits::KVTile;
@@ -143,8 +169,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
   const FwdParams& f = p.f;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
-  Element* const sQ = reinterpret_cast<Element*>(smem_raw);
+  unsigned char* const smem_base =
+      Traits::kTma ? smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
+  Element* const sQ = reinterpret_cast<Element*>(smem_base);
   Element* const sStages = sQ + QTile::kElems;
+  uint64_t* const full = reinterpret_cast<uint64_t*>(sStages + Traits::kStages * Traits::kStageElems);  // kTma
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / kWarpsN, wn = warp % kWarpsN;
@@ -162,9 +191,11 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
   const int pos_first = m0 / group, pos_last = (min(m0 + kBlockM, rows) - 1) / group;
   const IndexRange tiles = Band::tiles(band.keys_of_queries(pos_first, pos_last + 1), kBlockN);
   const int n_all = (int)tiles.size();
-  const int per_split = (n_all + p.num_splits - 1) / p.num_splits;
-  const int t_begin = (int)tiles.begin + split * per_split;
-  const int n_tiles = max(0, min((int)tiles.end - t_begin, per_split));
+  // Split `split` takes every num_splits-th tile from tiles.begin + split: the splits of an entry then read
+  // neighbouring tiles at any moment (one front through the cache, not num_splits of them), which measured 0-2.5 %
+  // faster than contiguous runs (docs/PERFORMANCE.md), and a band's partly masked tiles spread over the splits.
+  const int n_tiles = max(0, (n_all - split + p.num_splits - 1) / p.num_splits);
+  auto tile_of = [&](int i) { return (int)tiles.begin + split + i * p.num_splits; };
 
   const Element* const q = static_cast<const Element*>(f.q) + b * f.q_stride.batch;
   const Element* const k = static_cast<const Element*>(f.k) + kvh * f.k_stride.head;
@@ -236,6 +267,55 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
     }
   };
 
+  // TMA loader (kTma), run by thread 0: a tile is kBlockN / box_rows boxes a 64-column span, for K and V (the
+  // copies spread over the four warps' lane 0 measured slower: docs/PERFORMANCE.md). A paged cache's box b of tile
+  // t is rows [t kBlockN + b box_rows, + box_rows) of the sequence, inside one page (the host takes this loader
+  // only without a left pad, so the sequence starts a page); its page numbers are read one tile ahead
+  // (`locate_boxes`), and a box past the entry's length gets page number cache_rows, which TMA zero-fills without
+  // reading anything.
+  constexpr int kMaxBoxes = kBlockN / 16, kSpans = KVTile::kChunksPerRow / KVTile::kSpanChunks;
+  int box_page[kMaxBoxes];
+  auto locate_boxes = [&](int t) {
+    if (!p.kv.paged()) return;
+#pragma unroll
+    for (int g = 0; g < kMaxBoxes; ++g) {
+      const int j = t * kBlockN + g * maps.box_rows;
+      if (g * maps.box_rows < kBlockN)
+        box_page[g] = j < seqlen_k ? p.kv.block_table[b * p.kv.block_table_stride + j / (int)p.kv.page_size]
+                                   : (int)p.kv.cache_rows;
+    }
+  };
+  auto tma_tile = [&](int t, int stage) {
+    Element* const sK = sStages + stage * Traits::kStageElems;
+    Element* const sV = sK + KVTile::kElems;
+    uint64_t* const bar = &full[stage];
+    ptx::mbarrier_arrive_expect_tx(bar, Traits::kStageElems * (int)sizeof(Element));
+#pragma unroll
+    for (int g = 0; g < kMaxBoxes; ++g) {
+      if (g * maps.box_rows >= kBlockN) break;
+      const int j = t * kBlockN + g * maps.box_rows;
+      const int page = p.kv.paged() ? box_page[g] : (int)seq.cache_row;
+      const int row = p.kv.paged() ? j % (int)p.kv.page_size : (int)seq.first_key + j;
+#pragma unroll
+      for (int span = 0; span < kSpans; ++span) {
+        const int dst = span * KVTile::kNumRows * 64 + g * maps.box_rows * 64;  // SmemTile: 128-byte rows a span
+        ptx::tma_load_4d(sK + dst, &maps.k, bar, span * 64, row, kvh, page);
+        ptx::tma_load_4d(sV + dst, &maps.v, bar, span * 64, row, kvh, page);
+      }
+    }
+  };
+  // V rows of tile t past the entry's length, zeroed once its stage has landed (TMA loaded what the cache holds
+  // there); then ordered before the stage's next TMA write (proxy fence) and before every warp's reads.
+  auto zero_v_past_end = [&](int t, int stage) {
+    Element* const sV = sStages + stage * Traits::kStageElems + KVTile::kElems;
+    for (int idx = threadIdx.x; idx < kBlockN * KVTile::kChunksPerRow; idx += kNThreads) {
+      const int r = idx / KVTile::kChunksPerRow, c = idx % KVTile::kChunksPerRow;
+      if (t * kBlockN + r >= seqlen_k) *reinterpret_cast<uint4*>(sV + KVTile::chunk_offset(r, c)) = make_uint4(0, 0, 0, 0);
+    }
+    ptx::fence_proxy_async_shared();
+    __syncthreads();
+  };
+
   // This thread's two rows (g and g + 8 of its warp's m16 tile): query position, ALiBi slope.
   int pos_of[2];
   float alibi_log2[2];
@@ -262,31 +342,64 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
     for (int e = 0; e < 4; ++e) o[0][di][e] = 0.f;
   cuda::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
 
-  // Prologue: Q and tiles 0 .. kStages - 2, one commit group each (Q joins tile 0's).
+  // Prologue: Q and tiles 0 .. kStages - 2, one commit group each (Q joins tile 0's; with TMA, Q's group alone).
   gather_rows_async<QTile, kNThreads>(sQ, q, head_dim, q_row);
-  Located next;  // where the next tile to load lives
-  if (n_tiles > 0) locate(t_begin, next);
-#pragma unroll
-  for (int i = 0; i < Traits::kStages - 1; ++i) {
-    if (i < n_tiles) {
-      load_tile(next, t_begin + i, i);
-      if (i + 1 < n_tiles) locate(t_begin + i + 1, next);
-    }
+  Located next;  // where the next tile to load lives (cp.async)
+  if constexpr (Traits::kTma) {
     ptx::cp_async_commit();
+    if (threadIdx.x == 0) {
+#pragma unroll
+      for (int st = 0; st < Traits::kStages; ++st) ptx::mbarrier_init(&full[st], 1);
+      ptx::fence_barrier_init();
+    }
+    __syncthreads();  // the barriers are initialized before any thread waits on them
+    if (threadIdx.x == 0 && n_tiles > 0) {
+      locate_boxes(tile_of(0));
+#pragma unroll
+      for (int i = 0; i < Traits::kStages - 1; ++i) {
+        if (i < n_tiles) {
+          tma_tile(tile_of(i), i);
+          if (i + 1 < n_tiles) locate_boxes(tile_of(i + 1));
+        }
+      }
+    }
+  } else {
+    if (n_tiles > 0) locate(tile_of(0), next);
+#pragma unroll
+    for (int i = 0; i < Traits::kStages - 1; ++i) {
+      if (i < n_tiles) {
+        load_tile(next, tile_of(i), i);
+        if (i + 1 < n_tiles) locate(tile_of(i + 1), next);
+      }
+      ptx::cp_async_commit();
+    }
   }
 
   uint32_t q_regs[1][kKSteps][4];
   const sm80::LaneOffsets a_off = sm80::lane_offsets_a(lane), b_off = sm80::lane_offsets_b(lane);
   for (int i = 0; i < n_tiles; ++i) {
-    const int t = t_begin + i, stage = i % Traits::kStages;
+    const int t = tile_of(i), stage = i % Traits::kStages;
     // Into the stage read at step i - 1 (released by that step's closing barrier).
-    if (i + Traits::kStages - 1 < n_tiles) {
-      load_tile(next, t + Traits::kStages - 1, (i + Traits::kStages - 1) % Traits::kStages);
-      if (i + Traits::kStages < n_tiles) locate(t + Traits::kStages, next);
+    if constexpr (Traits::kTma) {
+      if (threadIdx.x == 0 && i + Traits::kStages - 1 < n_tiles) {
+        tma_tile(tile_of(i + Traits::kStages - 1), (i + Traits::kStages - 1) % Traits::kStages);
+        if (i + Traits::kStages < n_tiles) locate_boxes(tile_of(i + Traits::kStages));
+      }
+      if (i == 0) {  // Q
+        ptx::cp_async_wait<0>();
+        __syncthreads();
+      }
+      ptx::mbarrier_wait(&full[stage], (uint32_t)((i / Traits::kStages) & 1));
+      if ((t + 1) * kBlockN > seqlen_k) zero_v_past_end(t, stage);  // block-uniform: the entry's last tile
+    } else {
+      if (i + Traits::kStages - 1 < n_tiles) {
+        load_tile(next, tile_of(i + Traits::kStages - 1), (i + Traits::kStages - 1) % Traits::kStages);
+        if (i + Traits::kStages < n_tiles) locate(tile_of(i + Traits::kStages), next);
+      }
+      ptx::cp_async_commit();
+      ptx::cp_async_wait<Traits::kStages - 1>();  // Q and tile i have landed
+      __syncthreads();
     }
-    ptx::cp_async_commit();
-    ptx::cp_async_wait<Traits::kStages - 1>();  // Q and tile i have landed
-    __syncthreads();
     if (i == 0) sm80::load_q_fragments<QTile>(q_regs, sQ, wm * 16, lane);
 
     const Element* sK = sStages + stage * Traits::kStageElems + wn * Traits::kWarpKeys * 64;
@@ -376,6 +489,22 @@ __global__ void __launch_bounds__(Traits::kNThreads) decode_kernel(const __grid_
       if (col == 0) p.lse_partial[prow] = lse;
     }
   }
+}
+
+template <typename Traits>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    decode_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ DecodeTmaMaps maps) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  // TMA is sm_90 code: below it the variant is an empty kernel the host never launches (decode_launch.cu takes it
+  // only where the kernel's code was compiled for sm_90).
+  if constexpr (Traits::kTma) {
+    __trap();
+  } else {
+    decode_block<Traits>(p, maps);
+  }
+#else
+  decode_block<Traits>(p, maps);
+#endif
 }
 
 // The split-KV merge: one warp a row.
