@@ -225,6 +225,19 @@ def test_long_sliding_window_cuda(request, family, window):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("variant", ["softcap5", "alibi_head", "all_noncausal"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_long_keys_score_mod_cuda(request, family, variant, dtype):
+    """Score-mod variants over long key walks without a mask (4700 keys: 37 tiles of 128, the last partial)."""
+    extra = {"all_noncausal": {"softcap": 30.0, "sinks": "random", "alibi": "batch"}}
+    opts = extra[variant] if variant in extra else VARIANTS[variant]
+    q, k, v, kw, ref = make_case(request, "cuda", dtype, 1, 4, 2, 300, 4700, 128, opts, layout="bshd")
+    run_forward(q, k, v, kw, ref)
+    assert assert_ran("fwd", family).endswith(" mod")
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_variants_in_cuda_graph_and_compile(request):
     """Window, softcap, sinks and ALiBi under torch.compile(fullgraph=True) and captured in a CUDA graph."""
     from conftest import capture_graph
