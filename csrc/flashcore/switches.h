@@ -14,8 +14,8 @@
 //   FLASHCORE_VARLEN_SCHEDULE=0                 run a varlen backward's sequences in their given order on a grid of
 //                                               max_seqlen_k's blocks each, not longest first on a packed grid (A/B)
 //   FLASHCORE_DECODE_TMA=0|1                    the KV-cache kernel's loader on Hopper: 0 cp.async everywhere, 1 TMA
-//                                               wherever TMA can address the cache (default: TMA for paged caches
-//                                               whose pages are multiples of 64 keys, where it measured faster)
+//                                               wherever TMA can address the cache (default: decode_launch.cu's
+//                                               choice, TMA for paged caches where it measured faster)
 #pragma once
 
 #include <string>

@@ -53,12 +53,23 @@ bool tma_code_built(const Variant& v) {
   return attr.ptxVersion >= 90;
 }
 
+// Peak DRAM bandwidth of the current device in bytes a second (double data rate x bus width).
+double peak_dram_bytes_per_s(const cudaDeviceProp& prop) {
+  int device = 0, clock_khz = 0;
+  C10_CUDA_CHECK(cudaGetDevice(&device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
+  return 2.0 * clock_khz * 1e3 * (prop.memoryBusWidth / 8.0);
+}
+
 // Keys a TMA box for the call's cache, or 0 where the TMA loader cannot serve it (DecodePlan) or is not chosen.
-// Chosen by default only for paged caches whose pages are multiples of 64 keys: against the cp.async loader (same
-// process, decode_bench) TMA measured equal on the H100 (8 x 8k pages of 256: 98.9 vs 98.7 us) and 23-27 % faster
-// on the H200 (75.5 vs 97.7 us; 1 x 128k: 145 vs 200), whose bandwidth the cp.async path's per-row page lookups do
-// not keep up with; on dense caches it was 1-7 % slower on both, on 16-key pages 8 % slower on the H100 and 12 %
-// faster on the H200. FLASHCORE_DECODE_TMA=1 takes it wherever it can address the cache (the tests do).
+// Chosen by default for paged caches only. Against the cp.async loader (same process, decode_bench, 5 rounds):
+//   pages of 64-key multiples: H100 equal (8 x 8k pages of 256: 99.9 vs 98.4 us; 1 x 128k: 191.5 vs 196.2), H200
+//     31-42 % faster (75.7 vs 99.3 us; 142.8 vs 202.6): the cp.async path's per-row page lookups (twice the dense
+//     path's instructions) do not keep up with the H200's bandwidth;
+//   pages of 16: H100 3-8 % slower at 8 x 8k (5 % faster on a mixed-length batch), H200 13-16 % faster (86.7 vs
+//     100.5 us; 155.4 vs 175.1), so taken where the memory is H200-class (peak 4.5 TB/s or more);
+//   dense caches: 1-9 % slower on both, never taken.
+// FLASHCORE_DECODE_TMA=1 takes it wherever it can address the cache (the tests do), 0 never.
 int tma_box_rows(const DecodeParams& p, const cudaDeviceProp& prop) {
   const int forced = decode_tma_forced();
   if (prop.major != 9 || forced == 0) return 0;
@@ -73,8 +84,9 @@ int tma_box_rows(const DecodeParams& p, const cudaDeviceProp& prop) {
   } else if (p.kv.cache_leftpad == nullptr && extent % 16 == 0) {
     box = (int)std::min<int64_t>(64, extent & -extent);  // the page size's largest power-of-two divisor
   }
-  const bool chosen = forced == 1 || (p.kv.paged() && box == 64);
-  return chosen ? box : 0;
+  if (forced == 1 || box == 0) return box;
+  if (!p.kv.paged()) return 0;
+  return box == 64 || peak_dram_bytes_per_s(prop) >= 4.5e12 ? box : 0;
 }
 
 }  // namespace
