@@ -102,8 +102,8 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backends", default="flashcore,sdpa,fa4",
-                    help="flashcore, flashcore@NAME=VALUE[+NAME=VALUE] (flashcore with switches set while its graph is captured, "
-                         "e.g. flashcore@FLASHCORE_DECODE_TMA=0 for the cp.async loader), sdpa, fa4")
+                    help="flashcore, flashcore@NAME=VALUE[+NAME=VALUE] (flashcore with switches set while its graph "
+                         "is captured, e.g. flashcore@FLASHCORE_DECODE_TMA=0 for the cp.async loader), sdpa, fa4")
     ap.add_argument("--num-splits", type=int, default=0, help="flashcore's num_splits (0: its heuristic)")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16

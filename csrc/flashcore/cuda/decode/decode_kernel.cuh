@@ -310,7 +310,8 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
     Element* const sV = sStages + stage * Traits::kStageElems + KVTile::kElems;
     for (int idx = threadIdx.x; idx < kBlockN * KVTile::kChunksPerRow; idx += kNThreads) {
       const int r = idx / KVTile::kChunksPerRow, c = idx % KVTile::kChunksPerRow;
-      if (t * kBlockN + r >= seqlen_k) *reinterpret_cast<uint4*>(sV + KVTile::chunk_offset(r, c)) = make_uint4(0, 0, 0, 0);
+      if (t * kBlockN + r >= seqlen_k)
+        *reinterpret_cast<uint4*>(sV + KVTile::chunk_offset(r, c)) = make_uint4(0, 0, 0, 0);
     }
     ptx::fence_proxy_async_shared();
     __syncthreads();
