@@ -33,6 +33,8 @@ struct KvCacheParams {
   int64_t capacity = 0;     // keys one batch entry can hold: dense seq len, or max_pages * page_size
 
   FLASHCORE_HOST_DEVICE bool paged() const { return block_table != nullptr; }
+  // Rows of the cache's second dimension: a page's keys, or a dense cache row's.
+  FLASHCORE_HOST_DEVICE int64_t rows_per_cache_row() const { return paged() ? page_size : capacity; }
 };
 
 // One batch entry's keys, clamped: cache row (dense), first key and count.

@@ -37,25 +37,32 @@ inline void set_max_dynamic_smem_once(Kernel kernel, int smem_bytes, std::atomic
 // serialization, it could read its inputs before the previous kernel's writes land. Checked once per kernel and
 // device (cudaFuncGetAttributes), kept in the launcher's static PdlSupport; FLASHCORE_PDL=0 turns PDL off
 // (switches.h), so benchmarks can measure what it buys.
-struct PdlSupport {
+// Sm90CodeCheck caches, per kernel and device, whether the kernel's code that runs there is sm_90 code (PDL's
+// griddepcontrol, the KV-cache kernel's TMA variant).
+struct Sm90CodeCheck {
   std::atomic<uint64_t> checked{0};  // bit d: device d was checked (current_device_bit)
-  std::atomic<uint64_t> capable{0};  // bit d: the kernel's code on device d waits for prior grids
+  std::atomic<uint64_t> capable{0};  // bit d: the kernel's code on device d was compiled for compute_90+
 };
+using PdlSupport = Sm90CodeCheck;
 
 template <typename... Params>
-inline bool pdl_enabled(void (*kernel)(Params...), PdlSupport& support) {
-  if (!pdl_allowed()) return false;
+inline bool runs_sm90_code(void (*kernel)(Params...), Sm90CodeCheck& check) {
   const uint64_t bit = current_device_bit();
-  if (bit != 0 && (support.checked.load(std::memory_order_acquire) & bit))
-    return (support.capable.load(std::memory_order_relaxed) & bit) != 0;
+  if (bit != 0 && (check.checked.load(std::memory_order_acquire) & bit))
+    return (check.capable.load(std::memory_order_relaxed) & bit) != 0;
   cudaFuncAttributes attr{};
   C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, kernel));
   const bool capable = at::cuda::getCurrentDeviceProperties()->major >= 9 && attr.ptxVersion >= 90;
   if (bit != 0) {
-    if (capable) support.capable.fetch_or(bit, std::memory_order_relaxed);
-    support.checked.fetch_or(bit, std::memory_order_acq_rel);
+    if (capable) check.capable.fetch_or(bit, std::memory_order_relaxed);
+    check.checked.fetch_or(bit, std::memory_order_acq_rel);
   }
   return capable;
+}
+
+template <typename... Params>
+inline bool pdl_enabled(void (*kernel)(Params...), PdlSupport& support) {
+  return pdl_allowed() && runs_sm90_code(kernel, support);
 }
 
 // Launches `kernel` on `stream` with programmatic stream serialization where pdl_enabled(): the kernel may begin

@@ -22,13 +22,15 @@ struct Variant {
   int smem_bytes;
   int block_m;
   std::atomic<uint64_t>* smem_configured;
+  cuda::Sm90CodeCheck* sm90_code;  // the TMA variant: whether its code on the device is sm_90 code
 };
 
 template <int kTile, typename Element, bool kRows, bool kTma>
 Variant variant() {
   using Traits = DecodeTraits<kTile, Element, kRows, kTma>;
   static std::atomic<uint64_t> configured{0};
-  return Variant{&decode_kernel<Traits>, Traits::kSmemBytes, Traits::kBlockM, &configured};
+  static cuda::Sm90CodeCheck sm90_code;
+  return Variant{&decode_kernel<Traits>, Traits::kSmemBytes, Traits::kBlockM, &configured, &sm90_code};
 }
 
 template <typename Element, bool kTma>
@@ -46,19 +48,25 @@ Variant pick(int tile, bool rows, bool bf16, bool tma) {
 }
 
 // Whether the TMA variant's code on this device is sm_90 code (a build without sm_90a runs the sm_80 code, JIT or
-// not, where the variant is an empty kernel).
-bool tma_code_built(const Variant& v) {
-  cudaFuncAttributes attr{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attr, v.kernel));
-  return attr.ptxVersion >= 90;
-}
+// not, where the variant is an empty kernel); cached per device.
+bool tma_code_built(const Variant& v) { return cuda::runs_sm90_code(v.kernel, *v.sm90_code); }
 
-// Peak DRAM bandwidth of the current device in bytes a second (double data rate x bus width).
-double peak_dram_bytes_per_s(const cudaDeviceProp& prop) {
+// Whether the current device's memory is H200-class: peak DRAM bandwidth (double data rate x bus width) of
+// 4.5 TB/s or more; read once per device.
+bool h200_class_memory(const cudaDeviceProp& prop) {
+  static std::atomic<uint64_t> checked{0}, fast{0};
+  const uint64_t bit = cuda::current_device_bit();
+  if (bit != 0 && (checked.load(std::memory_order_acquire) & bit))
+    return (fast.load(std::memory_order_relaxed) & bit) != 0;
   int device = 0, clock_khz = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
-  return 2.0 * clock_khz * 1e3 * (prop.memoryBusWidth / 8.0);
+  const bool is_fast = 2.0 * clock_khz * 1e3 * (prop.memoryBusWidth / 8.0) >= 4.5e12;
+  if (bit != 0) {
+    if (is_fast) fast.fetch_or(bit, std::memory_order_relaxed);
+    checked.fetch_or(bit, std::memory_order_acq_rel);
+  }
+  return is_fast;
 }
 
 // Keys a TMA box for the call's cache, or 0 where the TMA loader cannot serve it (DecodePlan) or is not chosen.
@@ -74,7 +82,7 @@ int tma_box_rows(const DecodeParams& p, const cudaDeviceProp& prop) {
   const int forced = decode_tma_forced();
   if (prop.major != 9 || forced == 0) return 0;
   const FwdParams& f = p.f;
-  const int64_t extent = p.kv.paged() ? p.kv.page_size : p.kv.capacity;  // rows of a cache row or page
+  const int64_t extent = p.kv.rows_per_cache_row();
   if (!sm90::tma_compatible(f.k, f.k_stride, p.kv.cache_rows, f.heads_kv, extent) ||
       !sm90::tma_compatible(f.v, f.v_stride, p.kv.cache_rows, f.heads_kv, extent))
     return 0;
@@ -86,7 +94,7 @@ int tma_box_rows(const DecodeParams& p, const cudaDeviceProp& prop) {
   }
   if (forced == 1 || box == 0) return box;
   if (!p.kv.paged()) return 0;
-  return box == 64 || peak_dram_bytes_per_s(prop) >= 4.5e12 ? box : 0;
+  return box == 64 || h200_class_memory(prop) ? box : 0;
 }
 
 }  // namespace
@@ -142,7 +150,7 @@ void launch_decode(const DecodeParams& p, const DecodePlan& plan, bool bf16, cud
   DecodeTmaMaps maps{};
   if (plan.tma) {
     const FwdParams& f = p.f;
-    const int64_t extent = p.kv.paged() ? p.kv.page_size : p.kv.capacity;
+    const int64_t extent = p.kv.rows_per_cache_row();
     maps.k = sm90::make_tensor_map_bhsd(f.k, f.k_stride, p.kv.cache_rows, f.heads_kv, extent, f.head_dim,
                                         plan.box_rows, bf16);
     maps.v = sm90::make_tensor_map_bhsd(f.v, f.v_stride, p.kv.cache_rows, f.heads_kv, extent, f.head_dim,
