@@ -662,8 +662,8 @@ def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, m
     v_cache[~valid] = float("nan")
     run_case(inputs, kw, check_cache=False)
     hopper, ran = torch.cuda.get_device_capability() == (9, 0), flashcore.last_kernel("fwd")
-    if loader != "default" or page_size is None or page_size % 64 == 0:  # 16-key pages: TMA on H200-class memory
-        want_tma = hopper and (loader == "tma" or (loader == "default" and page_size is not None))
+    if loader != "default" or page_size is None:  # a paged cache's default: TMA only on H200-class memory
+        want_tma = hopper and loader == "tma"
         assert ("tma" in ran) == want_tma, ran
 
 

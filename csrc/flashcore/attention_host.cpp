@@ -577,6 +577,7 @@ DecodeParams make_decode_params(const at::Tensor& query, const at::Tensor& key_c
     kv.block_table_stride = a.block_table.stride(0);
     kv.max_pages = a.block_table.size(1);
     kv.page_size = key_cache.size(1);
+    kv.page_div = FastDiv(kv.page_size);
     kv.capacity = kv.max_pages * kv.page_size;
   } else {
     kv.capacity = key_cache.size(1);

@@ -31,10 +31,18 @@ struct KvCacheParams {
   int64_t page_size = 0;    // paged: rows of a page
   int64_t cache_rows = 0;   // dense: cache_batch; paged: num_pages (the first dim of the cache)
   int64_t capacity = 0;     // keys one batch entry can hold: dense seq len, or max_pages * page_size
+  FastDiv page_div;         // paged: by page_size (the kernels split a key into page slot and row without a divide)
 
   FLASHCORE_HOST_DEVICE bool paged() const { return block_table != nullptr; }
   // Rows of the cache's second dimension: a page's keys, or a dense cache row's.
   FLASHCORE_HOST_DEVICE int64_t rows_per_cache_row() const { return paged() ? page_size : capacity; }
+  // Paged: key `key` (0 <= key < capacity < 2^31) of an entry lies in block-table column `return` at row `row`.
+  FLASHCORE_HOST_DEVICE int page_slot(int key, int& row) const {
+    uint32_t r = 0;
+    const int slot = (int)page_div.divmod((uint32_t)key, r);
+    row = (int)r;
+    return slot;
+  }
 };
 
 // One batch entry's keys, clamped: cache row (dense), first key and count.

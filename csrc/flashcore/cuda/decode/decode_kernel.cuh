@@ -7,15 +7,8 @@
 // Two warp layouts (kRowsMode): a decode step has few rows (group x new tokens <= 16), so the four warps share one
 // m16 tile of rows and split each 64-key tile into 16-key quarters, merging their softmax states at the end; a
 // chunked prefill has many rows, so each warp owns 16 rows and walks the whole tile (the prefill kernels' layout).
-// Pipeline: kStages K/V stages; tiles i + 1 .. i + kStages - 1 stream in while tile i is computed. Two loaders:
-//   cp.async (every arch): each thread copies 16-byte chunks; rows are gathered through the page table (one lookup
-//     a row, read one tile ahead), so a page may hold any number of keys. Two stages (a third measured equal).
-//   TMA (Hopper, kTma; decode_launch.cu says where it is taken): thread 0 loads each tile as boxes of 64 columns x
-//     DecodeTmaMaps::box_rows keys (a box never crosses a page: box_rows divides the page size) into the same
-//     swizzled layout (SmemTile's 128-byte rows are TMA's 128-byte swizzle) and signals the stage's mbarrier; about
-//     96 KiB of stages, in flight without address registers or a lookup per row. TMA zero-fills boxes outside the
-//     cache (a page number out of range, keys past the capacity); rows inside the cache but past the entry's
-//     length are whatever the cache holds, so their V rows are zeroed before P V (a NaN there would survive P = 0).
+// Pipeline: kStages K/V stages; tiles i + 1 .. i + kStages - 1 stream in while tile i is computed, through one of
+// the two loaders of decode_loaders.cuh (cp.async on every arch, two stages; TMA on Hopper, ~96 KiB of stages).
 // Hazard: a stage is refilled only after the __syncthreads that ends the step that read it.
 #pragma once
 
@@ -32,18 +25,10 @@
 #include "../ptx/cp_async.cuh"
 #include "../ptx/math.cuh"
 #include "../ptx/mbarrier.cuh"
-#include "../ptx/tma.cuh"
 #include "../sm80/fwd_sm80_mainloop.cuh"
+#include "decode_loaders.cuh"
 
 namespace flashcore::decode {
-
-// The TMA loader's descriptors (kTma): K and V caches as (head_dim, rows of a cache row or page, heads_kv, cache
-// rows or pages), boxes of 64 columns x box_rows rows (64 for a dense cache; a paged one's page size's largest
-// power-of-two divisor up to 64, at least 16).
-struct DecodeTmaMaps {
-  CUtensorMap k, v;
-  int box_rows = 64;
-};
 
 template <int kHeadDim_, typename Element_, bool kRowsMode_, bool kTma_ = false>
 struct DecodeTraits {
@@ -157,6 +142,74 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, int64_t row, 
   if (lane == 0) f.lse[row] = empty ? -INFINITY : m + __logf(l);
 }
 
+// The end of a block: the warps that share rows (kWarpsN of them) merge their softmax states and outputs through
+// shared memory (the stages, free by now), normalize, and write the output and lse directly (one split), or this
+// split's partial output and lse for the combine kernel.
+template <typename Traits, typename Softmax>
+__device__ __forceinline__ void store_block_result(const DecodeParams& p, float* merge_o, const Softmax& softmax,
+                                                   const float (&o)[1][Traits::kDTiles][4], int b, int kvh, int m0,
+                                                   int split) {
+  using Element = typename Traits::Element;
+  constexpr int kWarpsN = Traits::kWarpsN, kHeadDim = Traits::kHeadDim;
+  const FwdParams& f = p.f;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int group = (int)f.group, head_dim = (int)f.head_dim, rows = (int)f.seqlen_q * group;
+  float* const merge_ml = merge_o + 4 * 16 * kHeadDim;  // merge_o: [warp][16][kHeadDim]; merge_ml: [warp][16][2]
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int r = (lane >> 2) + 8 * h;
+    const float sum = cuda::quad_sum(softmax.row_sum[h]);
+    if ((lane & 3) == 0) {
+      merge_ml[(warp * 16 + r) * 2] = softmax.row_max[h];
+      merge_ml[(warp * 16 + r) * 2 + 1] = sum;
+    }
+#pragma unroll
+    for (int di = 0; di < Traits::kDTiles; ++di) {
+      const int col = di * 8 + 2 * (lane & 3);
+      merge_o[(warp * 16 + r) * kHeadDim + col] = o[0][di][2 * h];
+      merge_o[(warp * 16 + r) * kHeadDim + col + 1] = o[0][di][2 * h + 1];
+    }
+  }
+  __syncthreads();
+
+  const bool direct = p.num_splits == 1;
+  const int64_t rows_total = f.batch * f.heads_q * f.seqlen_q;
+  for (int idx = threadIdx.x; idx < Traits::kBlockM * kHeadDim; idx += Traits::kNThreads) {
+    const int row = idx / kHeadDim, col = idx % kHeadDim;
+    const int R = m0 + row;
+    if (R >= rows || col >= head_dim) continue;
+    const int w0 = (row / 16) * kWarpsN, r = row % 16;
+    float m = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < kWarpsN; ++w) m = fmaxf(m, merge_ml[((w0 + w) * 16 + r) * 2]);
+    const int pos = R / group, hq = kvh * group + R % group;
+    const float sink = direct && f.score.sinks ? f.score.sinks[hq] * kLog2e : -INFINITY;
+    m = fmaxf(m, sink);
+    float l = m == -INFINITY ? 0.f : exp2f(sink - m), acc = 0.f;
+#pragma unroll
+    for (int w = 0; w < kWarpsN; ++w) {
+      const float mw = merge_ml[((w0 + w) * 16 + r) * 2];
+      const float scale = mw == -INFINITY ? 0.f : exp2f(mw - m);
+      l += merge_ml[((w0 + w) * 16 + r) * 2 + 1] * scale;
+      acc += merge_o[((w0 + w) * 16 + r) * kHeadDim + col] * scale;
+    }
+    const bool empty = !(l > 0.f);
+    const float out = empty ? 0.f : acc / l;
+    const float lse = empty ? -INFINITY : (m + __log2f(l)) * 0.69314718055994531f;
+    const int64_t lse_row = ((int64_t)b * f.heads_q + hq) * f.seqlen_q + pos;
+    if (direct) {
+      Element* dst = static_cast<Element*>(f.out) + b * f.out_stride.batch + hq * f.out_stride.head +
+                     pos * f.out_stride.seq + col;
+      *dst = static_cast<Element>(out);
+      if (col == 0) f.lse[lse_row] = lse;
+    } else {
+      const int64_t prow = split * rows_total + lse_row;
+      p.o_partial[prow * head_dim + col] = out;
+      if (col == 0) p.lse_partial[prow] = lse;
+    }
+  }
+}
+
 // One block of the grid described at the top; maps are read by the TMA loader only.
 template <typename Traits>
 __device__ __forceinline__ void decode_block(const DecodeParams& p, const DecodeTmaMaps& maps) {
@@ -165,7 +218,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
   using KVTile = typename Traits::KVTile;
   constexpr int kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN, kNThreads = Traits::kNThreads;
   constexpr int kNTiles = Traits::kNTiles, kDTiles = Traits::kDTiles, kKSteps = Traits::kKSteps;
-  constexpr int kWarpsN = Traits::kWarpsN;
+  constexpr int kStages = Traits::kStages;
   const FwdParams& f = p.f;
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
@@ -173,10 +226,11 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
       Traits::kTma ? smem_raw + ((1024u - (ptx::smem_addr(smem_raw) & 1023u)) & 1023u) : smem_raw;
   Element* const sQ = reinterpret_cast<Element*>(smem_base);
   Element* const sStages = sQ + QTile::kElems;
-  uint64_t* const full = reinterpret_cast<uint64_t*>(sStages + Traits::kStages * Traits::kStageElems);  // kTma
+  uint64_t* const full = reinterpret_cast<uint64_t*>(sStages + kStages * Traits::kStageElems);  // kTma
+  auto stage_ptr = [&](int stage) { return sStages + stage * Traits::kStageElems; };
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int wm = warp / kWarpsN, wn = warp % kWarpsN;
+  const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
   uint32_t kvh_u = 0;
   const int b = (int)f.heads_kv_div.divmod(blockIdx.x, kvh_u);
   const int kvh = (int)kvh_u;
@@ -185,8 +239,9 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
   const int rows = seqlen_q * group;  // packed rows of this (entry, kv head)
   const int m0 = blockIdx.z * kBlockM;
 
-  const KvSeq seq = kv_seq(p.kv, b);
-  const int seqlen_k = (int)seq.seqlen_k;
+  const EntryKeys<Element> entry{static_cast<const Element*>(f.k) + kvh * f.k_stride.head,
+                                 static_cast<const Element*>(f.v) + kvh * f.v_stride.head, kv_seq(p.kv, b), b};
+  const int seqlen_k = (int)entry.seq.seqlen_k;
   const Band band = f.mask.band(seqlen_q, seqlen_k);
   const int pos_first = m0 / group, pos_last = (min(m0 + kBlockM, rows) - 1) / group;
   const IndexRange tiles = Band::tiles(band.keys_of_queries(pos_first, pos_last + 1), kBlockN);
@@ -198,123 +253,11 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
   auto tile_of = [&](int i) { return (int)tiles.begin + split + i * p.num_splits; };
 
   const Element* const q = static_cast<const Element*>(f.q) + b * f.q_stride.batch;
-  const Element* const k = static_cast<const Element*>(f.k) + kvh * f.k_stride.head;
-  const Element* const v = static_cast<const Element*>(f.v) + kvh * f.v_stride.head;
-
   auto q_row = [&](int r) -> const Element* {
     const int R = m0 + r;
     if (R >= rows) return nullptr;
     const int pos = R / group, hq = kvh * group + R % group;
     return q + hq * f.q_stride.head + pos * f.q_stride.seq;
-  };
-  // Tile t holds keys t * kBlockN + r of the entry's sequence. A thread copies chunk c of rows r0 + kRowStep * it;
-  // `locate` finds where they live one tile ahead of `load_tile`, so that a paged cache's page-table reads (raw
-  // here, clamped at use) are in flight during a tile's computation instead of stalling the copies that need them.
-  constexpr int kCpr = KVTile::kChunksPerRow, kRowStep = kNThreads / kCpr, kRowsPerThread = kBlockN / kRowStep;
-  const int c = threadIdx.x % kCpr, r0 = threadIdx.x / kCpr;
-  const bool col_ok = c * 8 < head_dim;
-  struct Located {
-    int page[kRowsPerThread];  // paged: the raw block-table entry; dense: unused
-    int row[kRowsPerThread];   // the key's row in its page (paged) or cache row (dense); -1: past the sequence
-  };
-  auto locate = [&](int t, Located& at) {
-    if (!p.kv.paged()) return;  // dense rows need no lookup (load_tile computes them)
-#pragma unroll
-    for (int it = 0; it < kRowsPerThread; ++it) {
-      const int j = t * kBlockN + r0 + it * kRowStep;
-      const int key = (int)seq.first_key + j;
-      at.row[it] = -1;
-      at.page[it] = 0;
-      if (j < seqlen_k) {
-        const int slot = key / (int)p.kv.page_size;
-        at.page[it] = p.kv.block_table[b * p.kv.block_table_stride + slot];
-        at.row[it] = key - slot * (int)p.kv.page_size;
-      }
-    }
-  };
-  // Byte offset of row r0 + kRowStep * it in a stage: when kRowStep is a multiple of 8 (head-dim tiles 64 and 128)
-  // the rows share their swizzle, so it is one offset a thread plus a constant per row.
-  const int dst0 = KVTile::chunk_offset(r0, c) * (int)sizeof(Element);
-  auto dst_of = [&](int it) {
-    if constexpr (kRowStep % 8 == 0) return it * kRowStep * 64 * (int)sizeof(Element);
-    return (KVTile::chunk_offset(r0 + it * kRowStep, c) - KVTile::chunk_offset(r0, c)) * (int)sizeof(Element);
-  };
-  auto load_tile = [&](const Located& at, int t, int stage) {
-    const uint32_t sK = ptx::smem_addr(sStages + stage * Traits::kStageElems) + dst0;
-    const uint32_t sV = sK + KVTile::kElems * (int)sizeof(Element);
-    if (!p.kv.paged()) {  // dense: the rows are evenly strided; no per-row lookup
-      const int64_t first = (int64_t)seq.first_key + t * kBlockN + r0;
-      const Element* src_k = k + seq.cache_row * f.k_stride.batch + first * f.k_stride.seq + c * 8;
-      const Element* src_v = v + seq.cache_row * f.v_stride.batch + first * f.v_stride.seq + c * 8;
-#pragma unroll
-      for (int it = 0; it < kRowsPerThread; ++it) {
-        const bool valid = col_ok && t * kBlockN + r0 + it * kRowStep < seqlen_k;
-        const int dst = dst_of(it);
-        ptx::cp_async_16(sK + dst, valid ? src_k + it * kRowStep * f.k_stride.seq : k, valid);
-        ptx::cp_async_16(sV + dst, valid ? src_v + it * kRowStep * f.v_stride.seq : v, valid);
-      }
-      return;
-    }
-#pragma unroll
-    for (int it = 0; it < kRowsPerThread; ++it) {
-      const bool valid = col_ok && at.row[it] >= 0;
-      const int64_t page = clamp64(at.page[it], 0, p.kv.cache_rows - 1);
-      const Element* src_k = valid ? k + page * f.k_stride.batch + at.row[it] * f.k_stride.seq + c * 8 : k;
-      const Element* src_v = valid ? v + page * f.v_stride.batch + at.row[it] * f.v_stride.seq + c * 8 : v;
-      const int dst = dst_of(it);
-      ptx::cp_async_16(sK + dst, src_k, valid);
-      ptx::cp_async_16(sV + dst, src_v, valid);
-    }
-  };
-
-  // TMA loader (kTma), run by thread 0: a tile is kBlockN / box_rows boxes a 64-column span, for K and V (the
-  // copies spread over the four warps' lane 0 measured slower: docs/PERFORMANCE.md). A paged cache's box b of tile
-  // t is rows [t kBlockN + b box_rows, + box_rows) of the sequence, inside one page (the host takes this loader
-  // only without a left pad, so the sequence starts a page); its page numbers are read one tile ahead
-  // (`locate_boxes`), and a box past the entry's length gets page number cache_rows, which TMA zero-fills without
-  // reading anything.
-  constexpr int kMaxBoxes = kBlockN / 16, kSpans = KVTile::kChunksPerRow / KVTile::kSpanChunks;
-  int box_page[kMaxBoxes];
-  auto locate_boxes = [&](int t) {
-    if (!p.kv.paged()) return;
-#pragma unroll
-    for (int g = 0; g < kMaxBoxes; ++g) {
-      const int j = t * kBlockN + g * maps.box_rows;
-      if (g * maps.box_rows < kBlockN)
-        box_page[g] = j < seqlen_k ? p.kv.block_table[b * p.kv.block_table_stride + j / (int)p.kv.page_size]
-                                   : (int)p.kv.cache_rows;
-    }
-  };
-  auto tma_tile = [&](int t, int stage) {
-    Element* const sK = sStages + stage * Traits::kStageElems;
-    Element* const sV = sK + KVTile::kElems;
-    uint64_t* const bar = &full[stage];
-    ptx::mbarrier_arrive_expect_tx(bar, Traits::kStageElems * (int)sizeof(Element));
-#pragma unroll
-    for (int g = 0; g < kMaxBoxes; ++g) {
-      if (g * maps.box_rows >= kBlockN) break;
-      const int j = t * kBlockN + g * maps.box_rows;
-      const int page = p.kv.paged() ? box_page[g] : (int)seq.cache_row;
-      const int row = p.kv.paged() ? j % (int)p.kv.page_size : (int)seq.first_key + j;
-#pragma unroll
-      for (int span = 0; span < kSpans; ++span) {
-        const int dst = span * KVTile::kNumRows * 64 + g * maps.box_rows * 64;  // SmemTile: 128-byte rows a span
-        ptx::tma_load_4d(sK + dst, &maps.k, bar, span * 64, row, kvh, page);
-        ptx::tma_load_4d(sV + dst, &maps.v, bar, span * 64, row, kvh, page);
-      }
-    }
-  };
-  // V rows of tile t past the entry's length, zeroed once its stage has landed (TMA loaded what the cache holds
-  // there); then ordered before the stage's next TMA write (proxy fence) and before every warp's reads.
-  auto zero_v_past_end = [&](int t, int stage) {
-    Element* const sV = sStages + stage * Traits::kStageElems + KVTile::kElems;
-    for (int idx = threadIdx.x; idx < kBlockN * KVTile::kChunksPerRow; idx += kNThreads) {
-      const int r = idx / KVTile::kChunksPerRow, c = idx % KVTile::kChunksPerRow;
-      if (t * kBlockN + r >= seqlen_k)
-        *reinterpret_cast<uint4*>(sV + KVTile::chunk_offset(r, c)) = make_uint4(0, 0, 0, 0);
-    }
-    ptx::fence_proxy_async_shared();
-    __syncthreads();
   };
 
   // This thread's two rows (g and g + 8 of its warp's m16 tile): query position, ALiBi slope.
@@ -345,32 +288,33 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
 
   // Prologue: Q and tiles 0 .. kStages - 2, one commit group each (Q joins tile 0's; with TMA, Q's group alone).
   gather_rows_async<QTile, kNThreads>(sQ, q, head_dim, q_row);
-  Located next;  // where the next tile to load lives (cp.async)
+  CpAsyncLoader<Traits> cp_loader(p, entry);
+  TmaLoader<Traits> tma_loader(p, maps, entry, kvh);
   if constexpr (Traits::kTma) {
     ptx::cp_async_commit();
     if (threadIdx.x == 0) {
 #pragma unroll
-      for (int st = 0; st < Traits::kStages; ++st) ptx::mbarrier_init(&full[st], 1);
+      for (int st = 0; st < kStages; ++st) ptx::mbarrier_init(&full[st], 1);
       ptx::fence_barrier_init();
     }
     __syncthreads();  // the barriers are initialized before any thread waits on them
     if (threadIdx.x == 0 && n_tiles > 0) {
-      locate_boxes(tile_of(0));
+      tma_loader.locate(tile_of(0));
 #pragma unroll
-      for (int i = 0; i < Traits::kStages - 1; ++i) {
+      for (int i = 0; i < kStages - 1; ++i) {
         if (i < n_tiles) {
-          tma_tile(tile_of(i), i);
-          if (i + 1 < n_tiles) locate_boxes(tile_of(i + 1));
+          tma_loader.load(tile_of(i), stage_ptr(i), &full[i]);
+          if (i + 1 < n_tiles) tma_loader.locate(tile_of(i + 1));
         }
       }
     }
   } else {
-    if (n_tiles > 0) locate(tile_of(0), next);
+    if (n_tiles > 0) cp_loader.locate(tile_of(0));
 #pragma unroll
-    for (int i = 0; i < Traits::kStages - 1; ++i) {
+    for (int i = 0; i < kStages - 1; ++i) {
       if (i < n_tiles) {
-        load_tile(next, tile_of(i), i);
-        if (i + 1 < n_tiles) locate(tile_of(i + 1), next);
+        cp_loader.load(tile_of(i), ptx::smem_addr(stage_ptr(i)));
+        if (i + 1 < n_tiles) cp_loader.locate(tile_of(i + 1));
       }
       ptx::cp_async_commit();
     }
@@ -379,31 +323,33 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
   uint32_t q_regs[1][kKSteps][4];
   const sm80::LaneOffsets a_off = sm80::lane_offsets_a(lane), b_off = sm80::lane_offsets_b(lane);
   for (int i = 0; i < n_tiles; ++i) {
-    const int t = tile_of(i), stage = i % Traits::kStages;
+    const int t = tile_of(i), stage = i % kStages;
     // Into the stage read at step i - 1 (released by that step's closing barrier).
+    const int ahead = i + kStages - 1;
     if constexpr (Traits::kTma) {
-      if (threadIdx.x == 0 && i + Traits::kStages - 1 < n_tiles) {
-        tma_tile(tile_of(i + Traits::kStages - 1), (i + Traits::kStages - 1) % Traits::kStages);
-        if (i + Traits::kStages < n_tiles) locate_boxes(tile_of(i + Traits::kStages));
+      if (threadIdx.x == 0 && ahead < n_tiles) {
+        tma_loader.load(tile_of(ahead), stage_ptr(ahead % kStages), &full[ahead % kStages]);
+        if (ahead + 1 < n_tiles) tma_loader.locate(tile_of(ahead + 1));
       }
       if (i == 0) {  // Q
         ptx::cp_async_wait<0>();
         __syncthreads();
       }
-      ptx::mbarrier_wait(&full[stage], (uint32_t)((i / Traits::kStages) & 1));
-      if ((t + 1) * kBlockN > seqlen_k) zero_v_past_end(t, stage);  // block-uniform: the entry's last tile
+      ptx::mbarrier_wait(&full[stage], (uint32_t)((i / kStages) & 1));
+      if ((t + 1) * kBlockN > seqlen_k)  // block-uniform: the entry's last tile
+        TmaLoader<Traits>::zero_v_past_end(t, stage_ptr(stage), seqlen_k);
     } else {
-      if (i + Traits::kStages - 1 < n_tiles) {
-        load_tile(next, tile_of(i + Traits::kStages - 1), (i + Traits::kStages - 1) % Traits::kStages);
-        if (i + Traits::kStages < n_tiles) locate(tile_of(i + Traits::kStages), next);
+      if (ahead < n_tiles) {
+        cp_loader.load(tile_of(ahead), ptx::smem_addr(stage_ptr(ahead % kStages)));
+        if (ahead + 1 < n_tiles) cp_loader.locate(tile_of(ahead + 1));
       }
       ptx::cp_async_commit();
-      ptx::cp_async_wait<Traits::kStages - 1>();  // Q and tile i have landed
+      ptx::cp_async_wait<kStages - 1>();  // Q and tile i have landed
       __syncthreads();
     }
     if (i == 0) sm80::load_q_fragments<QTile>(q_regs, sQ, wm * 16, lane);
 
-    const Element* sK = sStages + stage * Traits::kStageElems + wn * Traits::kWarpKeys * 64;
+    const Element* sK = stage_ptr(stage) + wn * Traits::kWarpKeys * 64;
     const Element* sV = sK + KVTile::kElems;
     float s[1][kNTiles][4];
     sm80::gemm_qk<QTile, KVTile, 1, kNTiles, kKSteps, /*kQInRegs=*/true>(s, q_regs, sQ, sK, wm * 16, lane, a_off,
@@ -432,64 +378,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
   }
   ptx::cp_async_wait<0>();
   __syncthreads();
-
-  // Merge the warps that share rows (kWarpsN of them) through shared memory, normalize, and write: the output and
-  // lse directly (one split), or this split's partial output and lse for the merge below.
-  float* const merge_o = reinterpret_cast<float*>(sStages);    // [warp][16][kHeadDim]
-  float* const merge_ml = merge_o + 4 * 16 * Traits::kHeadDim;  // [warp][16][2]: max (log2), sum
-#pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int r = (lane >> 2) + 8 * h;
-    const float sum = cuda::quad_sum(softmax.row_sum[h]);
-    if ((lane & 3) == 0) {
-      merge_ml[(warp * 16 + r) * 2] = softmax.row_max[h];
-      merge_ml[(warp * 16 + r) * 2 + 1] = sum;
-    }
-#pragma unroll
-    for (int di = 0; di < kDTiles; ++di) {
-      const int col = di * 8 + 2 * (lane & 3);
-      merge_o[(warp * 16 + r) * Traits::kHeadDim + col] = o[0][di][2 * h];
-      merge_o[(warp * 16 + r) * Traits::kHeadDim + col + 1] = o[0][di][2 * h + 1];
-    }
-  }
-  __syncthreads();
-
-  const bool direct = p.num_splits == 1;
-  const int64_t rows_total = f.batch * f.heads_q * f.seqlen_q;
-  for (int idx = threadIdx.x; idx < kBlockM * Traits::kHeadDim; idx += kNThreads) {
-    const int row = idx / Traits::kHeadDim, col = idx % Traits::kHeadDim;
-    const int R = m0 + row;
-    if (R >= rows || col >= head_dim) continue;
-    const int w0 = (row / 16) * kWarpsN, r = row % 16;
-    float m = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < kWarpsN; ++w) m = fmaxf(m, merge_ml[((w0 + w) * 16 + r) * 2]);
-    const int pos = R / group, hq = kvh * group + R % group;
-    const float sink = direct && f.score.sinks ? f.score.sinks[hq] * kLog2e : -INFINITY;
-    m = fmaxf(m, sink);
-    float l = m == -INFINITY ? 0.f : exp2f(sink - m), acc = 0.f;
-#pragma unroll
-    for (int w = 0; w < kWarpsN; ++w) {
-      const float mw = merge_ml[((w0 + w) * 16 + r) * 2];
-      const float scale = mw == -INFINITY ? 0.f : exp2f(mw - m);
-      l += merge_ml[((w0 + w) * 16 + r) * 2 + 1] * scale;
-      acc += merge_o[((w0 + w) * 16 + r) * Traits::kHeadDim + col] * scale;
-    }
-    const bool empty = !(l > 0.f);
-    const float out = empty ? 0.f : acc / l;
-    const float lse = empty ? -INFINITY : (m + __log2f(l)) * 0.69314718055994531f;
-    const int64_t lse_row = ((int64_t)b * f.heads_q + hq) * f.seqlen_q + pos;
-    if (direct) {
-      Element* dst = static_cast<Element*>(f.out) + b * f.out_stride.batch + hq * f.out_stride.head +
-                     pos * f.out_stride.seq + col;
-      *dst = static_cast<Element>(out);
-      if (col == 0) f.lse[lse_row] = lse;
-    } else {
-      const int64_t prow = split * rows_total + lse_row;
-      p.o_partial[prow * head_dim + col] = out;
-      if (col == 0) p.lse_partial[prow] = lse;
-    }
-  }
+  store_block_result<Traits>(p, reinterpret_cast<float*>(sStages), softmax, o, b, kvh, m0, split);
 }
 
 template <typename Traits>

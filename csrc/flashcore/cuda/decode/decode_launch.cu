@@ -70,12 +70,13 @@ bool h200_class_memory(const cudaDeviceProp& prop) {
 }
 
 // Keys a TMA box for the call's cache, or 0 where the TMA loader cannot serve it (DecodePlan) or is not chosen.
-// Chosen by default for paged caches only. Against the cp.async loader (same process, decode_bench, 5 rounds):
-//   pages of 64-key multiples: H100 equal (8 x 8k pages of 256: 99.9 vs 98.4 us; 1 x 128k: 191.5 vs 196.2), H200
-//     31-42 % faster (75.7 vs 99.3 us; 142.8 vs 202.6): the cp.async path's per-row page lookups (twice the dense
-//     path's instructions) do not keep up with the H200's bandwidth;
-//   pages of 16: H100 3-8 % slower at 8 x 8k (5 % faster on a mixed-length batch), H200 13-16 % faster (86.7 vs
-//     100.5 us; 155.4 vs 175.1), so taken where the memory is H200-class (peak 4.5 TB/s or more);
+// Chosen by default for paged caches where the memory is H200-class (peak 4.5 TB/s or more). Against the
+// cp.async loader (same process, decode_bench):
+//   H100: the cp.async loader is as fast or faster on every row (8 x 8k pages of 256: 98.5 vs 99.4 us, 1 x 128k
+//     pages of 256: 186.8 vs 191.3, pages of 16: 3-8 % faster), so never taken there;
+//   H200: 31-42 % faster with pages of 64-key multiples (75.7 vs 99.3 us; 142.8 vs 202.6) and 13-16 % with pages
+//     of 16 (86.7 vs 100.5; 155.4 vs 175.1) against the cp.async loader that read the page table a row at a time:
+//     it did not keep up with the H200's bandwidth;
 //   dense caches: 1-9 % slower on both, never taken.
 // FLASHCORE_DECODE_TMA=1 takes it wherever it can address the cache (the tests do), 0 never.
 int tma_box_rows(const DecodeParams& p, const cudaDeviceProp& prop) {
@@ -93,8 +94,7 @@ int tma_box_rows(const DecodeParams& p, const cudaDeviceProp& prop) {
     box = (int)std::min<int64_t>(64, extent & -extent);  // the page size's largest power-of-two divisor
   }
   if (forced == 1 || box == 0) return box;
-  if (!p.kv.paged()) return 0;
-  return box == 64 || h200_class_memory(prop) ? box : 0;
+  return p.kv.paged() && h200_class_memory(prop) ? box : 0;
 }
 
 }  // namespace
