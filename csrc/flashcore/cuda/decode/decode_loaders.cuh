@@ -59,7 +59,7 @@ struct CpAsyncLoader {
   const int dst0;  // byte offset of (r0, c) in a stage's K tile
   // A warp's threads copy 16 rows of a tile (kRowsPerStep rows r0 at each of kRowsPerThread steps). Paged: lane
   // l < 16 looks up row l of them (locate: one block-table read and divide a lane, not one a row) and load() hands
-  // each thread its rows' pages by shuffles. The page stays raw until then, so no thread waits for the read
+  // each thread its rows' addresses by shuffles. The page stays raw until then, so no thread waits for the read
   // during the tile it is issued in.
   static constexpr int kRowsPerStep = 32 / kCpr;
   static_assert(kRowsPerStep * kRowsPerThread == 16, "16 rows a warp");
@@ -114,15 +114,22 @@ struct CpAsyncLoader {
       }
       return;
     }
+    // Lane l < 16 turns its row's page into the row's element offsets in K and V (-1: no row), once a tile; each
+    // thread takes its rows' offsets by shuffles.
+    int64_t lane_k = -1, lane_v = -1;
+    if (lane_row >= 0) {
+      const int64_t pg = min(max(lane_page, 0), (int)p.kv.cache_rows - 1);  // cache_rows < 2^31 (host check)
+      lane_k = pg * f.k_stride.batch + lane_row * f.k_stride.seq;
+      lane_v = pg * f.v_stride.batch + lane_row * f.v_stride.seq;
+    }
     const int sub = (threadIdx.x & 31) / kCpr;  // r0 = warp * kRowsPerStep + sub
 #pragma unroll
     for (int it = 0; it < kRowsPerThread; ++it) {
-      const int row = __shfl_sync(0xffffffffu, lane_row, it * kRowsPerStep + sub);
-      const int raw = __shfl_sync(0xffffffffu, lane_page, it * kRowsPerStep + sub);
-      const bool valid = col_ok && row >= 0;
-      const int64_t pg = min(max(raw, 0), (int)p.kv.cache_rows - 1);  // cache_rows < 2^31 (host check)
-      const Element* src_k = valid ? e.k + pg * f.k_stride.batch + row * f.k_stride.seq + c * 8 : e.k;
-      const Element* src_v = valid ? e.v + pg * f.v_stride.batch + row * f.v_stride.seq + c * 8 : e.v;
+      const int64_t off_k = __shfl_sync(0xffffffffu, lane_k, it * kRowsPerStep + sub);
+      const int64_t off_v = __shfl_sync(0xffffffffu, lane_v, it * kRowsPerStep + sub);
+      const bool valid = col_ok && off_k >= 0;
+      const Element* src_k = valid ? e.k + off_k + c * 8 : e.k;
+      const Element* src_v = valid ? e.v + off_v + c * 8 : e.v;
       const int dst = dst_of(it);
       ptx::cp_async_16(sK + dst, src_k, valid);
       ptx::cp_async_16(sV + dst, src_v, valid);
