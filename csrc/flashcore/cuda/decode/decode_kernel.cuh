@@ -23,6 +23,7 @@
 #include "../common/online_softmax.cuh"
 #include "../common/smem_tile.cuh"
 #include "../ptx/cp_async.cuh"
+#include "../ptx/grid_dependency.cuh"
 #include "../ptx/math.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../sm80/fwd_sm80_mainloop.cuh"
@@ -220,6 +221,10 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
   constexpr int kNTiles = Traits::kNTiles, kDTiles = Traits::kDTiles, kKSteps = Traits::kKSteps;
   constexpr int kStages = Traits::kStages;
   const FwdParams& f = p.f;
+  // Launched with programmatic dependent launch where the code is sm_90 (decode_launch.cu): nothing global is read
+  // before the previous kernel of the stream has completed; the combine kernel may launch behind the last wave.
+  ptx::wait_for_prior_grids();
+  ptx::allow_dependent_grids();
 
   extern __shared__ __align__(128) unsigned char smem_raw[];
   unsigned char* const smem_base =
@@ -401,6 +406,8 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 template <typename Element>
 __global__ void __launch_bounds__(128) decode_combine_kernel(const __grid_constant__ DecodeParams p) {
   __shared__ float weight[4][kMaxSplits];
+  ptx::wait_for_prior_grids();  // the decode kernel's partials (a programmatic dependent launch where sm_90 code)
+  ptx::allow_dependent_grids();
   const int64_t row = (int64_t)blockIdx.x * 4 + (threadIdx.x >> 5);
   if (row < p.f.batch * p.f.heads_q * p.f.seqlen_q) combine_row<Element>(p, row, weight[threadIdx.x >> 5], threadIdx.x & 31);
 }

@@ -22,7 +22,7 @@ struct Variant {
   int smem_bytes;
   int block_m;
   std::atomic<uint64_t>* smem_configured;
-  cuda::Sm90CodeCheck* sm90_code;  // the TMA variant: whether its code on the device is sm_90 code
+  cuda::Sm90CodeCheck* sm90_code;  // whether its code on the device is sm_90 code (the TMA variant; PDL)
 };
 
 template <int kTile, typename Element, bool kRows, bool kTma>
@@ -165,16 +165,17 @@ void launch_decode(const DecodeParams& p, const DecodePlan& plan, bool bf16, cud
                                         plan.box_rows, bf16);
     maps.box_rows = plan.box_rows;
   }
+  // Both kernels with programmatic dependent launch where their code is sm_90 (launch_utils.cuh): a kernel's blocks
+  // become resident while the previous kernel of the stream finishes, and wait for it before reading anything.
   const dim3 grid((unsigned)(p.f.batch * p.f.heads_kv), (unsigned)p.num_splits, (unsigned)plan.m_blocks);
-  v.kernel<<<grid, 128, v.smem_bytes, stream>>>(p, maps);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  cuda::launch_kernel(v.kernel, *v.sm90_code, grid, dim3(128), v.smem_bytes, stream, 1, p, maps);
   if (p.num_splits > 1) {
     const unsigned blocks = (unsigned)((p.f.batch * p.f.heads_q * p.f.seqlen_q + 3) / 4);
+    static cuda::PdlSupport pdl_bf16, pdl_fp16;
     if (bf16)
-      decode_combine_kernel<__nv_bfloat16><<<blocks, 128, 0, stream>>>(p);
+      cuda::launch_kernel(&decode_combine_kernel<__nv_bfloat16>, pdl_bf16, dim3(blocks), dim3(128), 0, stream, 1, p);
     else
-      decode_combine_kernel<__half><<<blocks, 128, 0, stream>>>(p);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
+      cuda::launch_kernel(&decode_combine_kernel<__half>, pdl_fp16, dim3(blocks), dim3(128), 0, stream, 1, p);
   }
 }
 
