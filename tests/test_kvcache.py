@@ -642,7 +642,7 @@ def test_kvcache_cuda_graph(request, monkeypatch, page_size, loader):
 @requires_cuda
 @pytest.mark.parametrize("loader", ["default", "tma", "cp.async"])
 @pytest.mark.parametrize("page_size", [None, 16, 48, 64, 256], ids=lambda p: f"page{p}" if p else "dense")
-@pytest.mark.parametrize("mode", ["decode", "chunk64"])
+@pytest.mark.parametrize("mode", ["decode", "chunk64", "chunk200"])
 def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, mode):
     """Cache slots outside every entry's keys hold NaN (a serving engine's pool holds anything there): the kernel
     reads whole tiles and pages, so the keys and values past each entry's length must never reach the output. Each
