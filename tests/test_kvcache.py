@@ -598,6 +598,36 @@ def test_kvcache_variants_cuda(request, variant, mode, dtype):
     run_case(inputs, kw)
 
 
+PREFILL_MODE = dict(B=3, Sq=96, Sn=96, lens=[0, 200, FULL - 96])
+PREFILL_HEADS = (48, 6)  # 3 x 48 blocks: enough to fill an H100's or H200's SMs
+PREFILL_VARIANTS = ["plain", "noncausal", "window", "window_both", "window_causal", "softcap", "sinks",
+                    "sinks_causal", "alibi_head", "alibi_batch", "all", "rotary_interleaved"]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", PREFILL_VARIANTS)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_kvcache_prefill_cuda(request, variant, dtype):
+    """Chunked prefill of more than 64 new tokens against a dense cache: on Hopper the Hopper varlen forward runs it
+    (each entry a sequence of cache_seqlens[b] keys of its cache row); the same semantics as the decode kernel's,
+    with every score variant, an empty entry, a full one and the append of the new tokens."""
+    v = {"causal": True, "page_size": None, **GPU_VARIANTS.get(variant, {})}
+    inputs, kw = make_case(request, "cuda", dtype, Hq=PREFILL_HEADS[0], Hkv=PREFILL_HEADS[1], D=128,
+                           capacity=GPU_CAP, **PREFILL_MODE, **v)
+    run_case(inputs, kw)
+    ran = flashcore.last_kernel("fwd")
+    assert ran.startswith("sm90") and "varlen" in ran if prefill_on_varlen() else ran.startswith("decode"), ran
+
+
+def prefill_on_varlen():
+    """Whether PREFILL_MODE runs on the Hopper varlen forward here (attention_cuda.cpp: Hopper, and a grid of
+    batch x query heads x 128-row blocks that fills the SMs)."""
+    props = torch.cuda.get_device_properties(0)
+    blocks = PREFILL_MODE["B"] * PREFILL_HEADS[0] * -(-PREFILL_MODE["Sq"] // 128)
+    return torch.cuda.get_device_capability() == (9, 0) and blocks >= props.multi_processor_count
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_kvcache_opcheck_cuda():
@@ -642,7 +672,7 @@ def test_kvcache_cuda_graph(request, monkeypatch, page_size, loader):
 @requires_cuda
 @pytest.mark.parametrize("loader", ["default", "tma", "cp.async"])
 @pytest.mark.parametrize("page_size", [None, 16, 48, 64, 256], ids=lambda p: f"page{p}" if p else "dense")
-@pytest.mark.parametrize("mode", ["decode", "chunk64", "chunk200"])
+@pytest.mark.parametrize("mode", ["decode", "chunk64", "chunk200", "prefill"])
 def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, mode):
     """Cache slots outside every entry's keys hold NaN (a serving engine's pool holds anything there): the kernel
     reads whole tiles and pages, so the keys and values past each entry's length must never reach the output. Each
@@ -650,8 +680,9 @@ def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, m
     can address, cp.async (zero-fills) forced, and the default choice between them."""
     if loader != "default":
         monkeypatch.setenv("FLASHCORE_DECODE_TMA", "1" if loader == "tma" else "0")
-    m = dict(GPU_MODES[mode], Sn=0)
-    inputs, kw = make_case(request, "cuda", torch.bfloat16, Hq=8, Hkv=2, D=128, capacity=GPU_CAP,
+    m = dict(PREFILL_MODE if mode == "prefill" else GPU_MODES[mode], Sn=0)
+    Hq, Hkv = PREFILL_HEADS if mode == "prefill" else (8, 2)
+    inputs, kw = make_case(request, "cuda", torch.bfloat16, Hq=Hq, Hkv=Hkv, D=128, capacity=GPU_CAP,
                            page_size=page_size, causal=True, **m)
     q, k_cache, v_cache = inputs
     valid = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device="cuda")
@@ -662,7 +693,11 @@ def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, m
     v_cache[~valid] = float("nan")
     run_case(inputs, kw, check_cache=False)
     hopper, ran = torch.cuda.get_device_capability() == (9, 0), flashcore.last_kernel("fwd")
-    if loader != "default" or page_size is None:  # a paged cache's default: TMA only on H200-class memory
+    if mode == "prefill" and page_size is None:  # on Hopper the varlen forward, no decode loader
+        assert ("varlen" in ran) == prefill_on_varlen(), ran
+    elif "varlen" in ran:
+        raise AssertionError(ran)
+    elif loader != "default" or page_size is None:  # a paged cache's default: TMA only on H200-class memory
         want_tma = hopper and loader == "tma"
         assert ("tma" in ran) == want_tma, ran
 

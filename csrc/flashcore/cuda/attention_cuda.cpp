@@ -265,7 +265,7 @@ const Entry* sm90_varlen_entry(Find find, bool score_mod) {
 
 const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const cudaDeviceProp& prop, int64_t max_seqlen_q,
-                                                     bool score_mod) {
+                                                     bool score_mod, bool short_rows_on_sm90 = false) {
   const auto dtype = to_dtype(q.scalar_type());
   const int head_dim = (int)q.size(2);
   const std::string forced = forced_fwd_family();
@@ -279,7 +279,7 @@ const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const 
     TORCH_CHECK(is_hopper(prop) && sm90 != nullptr, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 needs a compute "
                 "capability 9.0 GPU and a build with sm90 kernels for head_dim ", head_dim);
   }
-  const bool short_rows = max_seqlen_q <= kVarlenSm90MinRows && forced != "sm90";
+  const bool short_rows = max_seqlen_q <= kVarlenSm90MinRows && forced != "sm90" && !short_rows_on_sm90;
   if (sm90 != nullptr && is_hopper(prop) && !short_rows && packed_tma_ready(q) && packed_tma_ready(k) &&
       packed_tma_ready(v))
     return *sm90;
@@ -326,14 +326,16 @@ void check_varlen_grid(const VarlenArgs& a, int64_t heads, int64_t max_seqlen, c
               " x ", heads, " x ", blocks, ") exceeds the CUDA grid limit");
 }
 
-std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& query_in, const at::Tensor& key_in,
-                                                   const at::Tensor& value_in, const at::Tensor& cu_seqlens_q,
-                                                   const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
-                                                   int64_t max_seqlen_k, double softmax_scale, bool is_causal,
-                                                   int64_t window_left, int64_t window_right, double softcap,
-                                                   bool /*deterministic*/, const std::optional<at::Tensor>& sinks,
-                                                   const std::optional<at::Tensor>& alibi_slopes,
-                                                   const std::optional<at::Tensor>& seqused_k) {
+// short_rows_on_sm90: the Hopper kernel even for max_seqlen_q <= kVarlenSm90MinRows (a KV cache's chunked prefill,
+// whose few sequences each walk a long cache).
+std::tuple<at::Tensor, at::Tensor> run_varlen_fwd(const at::Tensor& query_in, const at::Tensor& key_in,
+                                                  const at::Tensor& value_in, const at::Tensor& cu_seqlens_q,
+                                                  const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                  int64_t max_seqlen_k, double softmax_scale, bool is_causal,
+                                                  int64_t window_left, int64_t window_right, double softcap,
+                                                  const std::optional<at::Tensor>& sinks,
+                                                  const std::optional<at::Tensor>& alibi_slopes,
+                                                  const std::optional<at::Tensor>& seqused_k, bool short_rows_on_sm90) {
   const AttentionOptions opts = make_options(softmax_scale, is_causal, /*causal_bottom_right=*/true, window_left,
                                              window_right, softcap, sinks, alibi_slopes);
   const VarlenArgs args = make_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k);
@@ -348,11 +350,24 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& query_in, c
   const at::Tensor value = packed_aligned_for_16b_loads(value_in);
   const FwdParams p = make_varlen_fwd_params(query, key, value, out, lse, args, opts);
   if (varlen_fwd_is_trivial(p, out)) return {out, lse};
-  const cuda::FwdKernelEntry& kernel =
-      select_varlen_fwd_kernel(query, key, value, prop, max_seqlen_q, transforms_scores(opts));
+  const cuda::FwdKernelEntry& kernel = select_varlen_fwd_kernel(query, key, value, prop, max_seqlen_q,
+                                                                transforms_scores(opts), short_rows_on_sm90);
   record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile, 0, 1, false, kernel.score_mod, true});
   kernel.launch_varlen(p, at::cuda::getCurrentCUDAStream());  // the sm90 launcher refines the record
   return {out, lse};
+}
+
+std::tuple<at::Tensor, at::Tensor> varlen_fwd_cuda(const at::Tensor& query_in, const at::Tensor& key_in,
+                                                   const at::Tensor& value_in, const at::Tensor& cu_seqlens_q,
+                                                   const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
+                                                   int64_t max_seqlen_k, double softmax_scale, bool is_causal,
+                                                   int64_t window_left, int64_t window_right, double softcap,
+                                                   bool /*deterministic*/, const std::optional<at::Tensor>& sinks,
+                                                   const std::optional<at::Tensor>& alibi_slopes,
+                                                   const std::optional<at::Tensor>& seqused_k) {
+  return run_varlen_fwd(query_in, key_in, value_in, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                        softmax_scale, is_causal, window_left, window_right, softcap, sinks, alibi_slopes, seqused_k,
+                        /*short_rows_on_sm90=*/false);
 }
 
 // The varlen backward's fused kernel: the wgmma family on compute capability 9.0 for packed tensors TMA can
@@ -477,6 +492,52 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   return {grad_query, grad_key, grad_value};
 }
 
+// Chunked prefill against a dense cache on Hopper: the Hopper varlen forward's wgmma kernel instead of the decode
+// kernel's mma.sync rows, which re-read a KV head's cache for every 64 packed query rows (128 new tokens at 8 x 8k:
+// 219 against 708 us, docs/PERFORMANCE.md). Entry b is sequence b of a varlen batch whose keys are cache row b
+// (cu_seqlens_k: multiples of the capacity), of which seqused_k = cache_seqlens[b] are used: the same clamping,
+// causal alignment, window, ALiBi offset and empty-entry outputs as the decode kernel's, and the slots past an
+// entry's length are never read into the output (the varlen kernel zeroes V past a sequence's used keys). Taken
+// from kPrefillOnVarlenMinTokens new tokens a sequence where the grid fills the SMs, without a page table,
+// cache_batch_idx or left pad or forced split count, for caches whose first rows view as packed (rows, heads,
+// dim) tensors; returns false (nothing done) otherwise.
+// From how many new tokens a sequence, and for grids of how many blocks: the decode kernel's cost grows with each 64
+// packed rows (query heads of a KV head x new tokens), the Hopper kernel's is about one 128-row block a query head
+// up to 128 tokens, and it has no key split for a small grid. H100, 8 x 8k, Hq 32 / Hkv 8, us decode / Hopper:
+// 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64 353.0 / 214.1; 1 x 128k (32 blocks) with 64
+// tokens 683.0 / 1378.5.
+constexpr int64_t kPrefillOnVarlenMinTokens = 33;
+
+bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
+                               const KvCacheArgs& args, const AttentionOptions& opts, const cudaDeviceProp& prop,
+                               double softmax_scale, int64_t window_left, int64_t window_right,
+                               const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes,
+                               at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = query.size(0), Sq = query.size(1), Hq = query.size(2), D = query.size(3);
+  const int64_t capacity = key_cache.size(1);
+  if (!is_hopper(prop) || args.paged() || args.cache_batch_idx.defined() || args.cache_leftpad.defined() ||
+      args.num_splits > 0 || Sq < kPrefillOnVarlenMinTokens || capacity == 0 || key_cache.size(0) < B ||
+      (B + 1) * std::max(Sq, capacity) > std::numeric_limits<int32_t>::max() || forced_fwd_family() == "sm80" ||
+      B * Hq * ((Sq + 127) / 128) < prop.multiProcessorCount)
+    return false;
+  auto packed = [&](const at::Tensor& cache) -> std::optional<at::Tensor> {
+    const at::Tensor rows = cache.narrow(0, 0, B);
+    if (B > 1 && rows.stride(0) != capacity * rows.stride(1)) return std::nullopt;
+    return rows.as_strided({B * capacity, rows.size(2), D}, {rows.stride(1), rows.stride(2), rows.stride(3)});
+  };
+  const std::optional<at::Tensor> k = packed(key_cache), v = packed(value_cache);
+  if (!k || !v) return false;
+  const auto i32 = query.options().dtype(at::kInt);
+  const at::Tensor cu_q = at::arange(0, (B + 1) * Sq, Sq, i32);
+  const at::Tensor cu_k = at::arange(0, (B + 1) * capacity, capacity, i32);
+  auto [o, l] = run_varlen_fwd(query.reshape({B * Sq, Hq, D}), *k, *v, cu_q, cu_k, Sq, capacity, softmax_scale,
+                               opts.is_causal, window_left, window_right, opts.softcap, sinks, alibi_slopes,
+                               args.cache_seqlens, /*short_rows_on_sm90=*/true);
+  out.copy_(o.view({B, Sq, Hq, D}));
+  lse.copy_(l.view({Hq, B, Sq}).permute({1, 0, 2}));
+  return true;
+}
+
 // The KV-cache forward (decode/): one launch of the split-KV kernel (plus the combine kernel when split), no sync:
 // lengths, indices and page numbers stay on the device and the kernel clamps them (paged_kv.h), so a call can be
 // captured in a CUDA graph with cache_seqlens changing between replays.
@@ -500,6 +561,9 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cuda(
   const at::Tensor query = aligned_for_16b_loads(query_in);
   const at::Tensor key_cache = aligned_for_16b_loads(key_cache_in);
   const at::Tensor value_cache = aligned_for_16b_loads(value_cache_in);
+  if (kvcache_prefill_on_varlen(query, key_cache, value_cache, args, opts, prop, softmax_scale, window_left,
+                                window_right, sinks, alibi_slopes, out, lse))
+    return {out, lse};
   DecodeParams p = make_decode_params(query, key_cache, value_cache, out, lse, args, opts);
   if (key_cache.numel() == 0 || p.kv.capacity == 0) {  // no key anywhere
     fill_no_key_outputs(out, lse, opts);

@@ -132,6 +132,28 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   auto full_parity = [&](int use) { return (uint32_t)((use / kStages) & 1); };
   // With a separate O buffer, each warp hands Q back once its last Q K^T has retired (the other GEMM, P V,
   // reads V and registers only), so the producer loads the next tile's Q behind this tile's tail.
+  // Varlen: rows of the first key tile walked (n_last) past the sequence's keys lie inside the packed tensors (the
+  // next sequence's rows, or below seqused_k's end whatever the caller's buffer holds, a KV cache's unwritten
+  // slots). P is 0 there, but 0 x NaN is NaN in P V, so the consumers zero those V rows once they have landed,
+  // before any P V: the rows are shared out over all consumer threads, which then meet at their barrier. Called
+  // where no wgmma is in flight and every consumer warpgroup arrives (block-uniform condition).
+  auto zero_v_past_end = [&] {
+    if constexpr (Traits::kVarlen) {
+      const int from = blk.seqlen_k - n_last * kBlockN;
+      if (n_count > 0 && from < kBlockN) {
+        const int first = kv_count % kStages;
+        ptx::mbarrier_wait(&smem.v_full[first], full_parity(kv_count));
+        Element* const v_tile = smem.v_stage(first);
+        constexpr int kRowChunks = Traits::kSpans * 8;  // 16-byte chunks of a key row (128-byte rows a span)
+        for (int i = threadIdx.x; i < (kBlockN - from) * kRowChunks; i += Traits::kConsumerThreads) {
+          const int row = from + i / kRowChunks, span = (i / 8) % Traits::kSpans;
+          *reinterpret_cast<uint4*>(v_tile + span * kBlockN * 64 + row * 64 + (i & 7) * 8) = make_uint4(0, 0, 0, 0);
+        }
+        ptx::fence_proxy_async_shared();  // the generic writes, before the wgmma's (async proxy) reads
+        ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
+      }
+    }
+  };
   auto release_q = [&] {
     if constexpr (Traits::kSeparateO) {
       if (lane == 0) ptx::mbarrier_arrive(smem.q_empty);
@@ -155,6 +177,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     ptx::wgmma_wait<0>();
     ptx::fence_operand(flat(buf[0]));
     if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[first]);
+    zero_v_past_end();
     ptx::mbarrier_wait(&smem.k_full[second], full_parity(kv_count + 1));
     issue_qk_into(second, buf[1]);
     softmax_on(n_last, correction, buf[0]);
@@ -226,6 +249,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     ptx::wgmma_wait<0>();
     ptx::fence_operand(s_flat);
     if (lane == 0) ptx::mbarrier_arrive(&smem.k_empty[first]);
+    zero_v_past_end();
     if (n_count == 1) release_q();
     softmax_step(n_last, correction);
     pack_p();
