@@ -432,10 +432,11 @@ def test_varlen_seqused_and_outside_rows_cuda(request):
 @pytest.mark.parametrize("lens_q", [[96, 200, 70], [30, 10, 50]], ids=["long", "short"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])
-def test_varlen_nan_past_seqused_forward_cuda(request, lens_q, head_dim, causal):
+def test_varlen_nan_past_seqused_cuda(request, lens_q, head_dim, causal):
     """Keys past each sequence's seqused_k hold NaN (a KV cache's unwritten slots, read through seqused_k): the
-    forward reads whole key tiles, and P = 0 on those keys does not cancel a NaN value (0 x NaN is NaN), so the
-    kernels must keep them out of P V. Long query sequences run on the Hopper kernel, short ones on mma.sync."""
+    kernels read whole key tiles, and P = 0 (dS = 0) on those keys does not cancel a NaN value (0 x NaN is NaN), so
+    they must keep them out of P V, dO V^T and dS K. Long query sequences run on the Hopper kernels, short ones on
+    mma.sync."""
     used = [0, 513, 257]
     q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens_q, [1000, 1000, 300], 8, 2, head_dim,
                                         {"causal": causal}, used_k=used)
@@ -443,6 +444,7 @@ def test_varlen_nan_past_seqused_forward_cuda(request, lens_q, head_dim, causal)
         k[int(cu_k[b]) + n:int(cu_k[b + 1])] = float("nan")
         v[int(cu_k[b]) + n:int(cu_k[b + 1])] = float("nan")
     run_forward(q, k, v, cu_q, cu_k, kw)
+    run_backward(q, k, v, cu_q, cu_k, kw)
 
 
 @pytest.mark.gpu

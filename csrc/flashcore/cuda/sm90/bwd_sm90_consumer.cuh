@@ -227,6 +227,25 @@ __device__ __forceinline__ ScoreMod step_score_mod(const BwdParams& p, const Bwd
   return mod;
 }
 
+// Varlen: the K and V rows of a sequence's last key block past its keys lie inside the packed tensors (the next
+// sequence's rows, or past seqused_k whatever the caller's buffer holds, a KV cache's unwritten slots). P and dS
+// are 0 there, but 0 x NaN is NaN in dP = dO V^T and dQ = dS K, so the consumers zero those rows of
+// [row_begin, row_end) once K and V have landed (thread `thread` of `threads`), then fence them for the wgmma's
+// reads; the caller syncs the threads that read the rows. Dense blocks need none of it: TMA zero-fills past Sk.
+template <typename Traits>
+__device__ __forceinline__ void zero_kv_past_end(const BwdBlock& blk, const BwdSharedStorage<Traits>& smem, int thread,
+                                                 int threads, int row_begin, int row_end) {
+  const int from = max(row_begin, blk.seqlen_k - blk.n0);
+  constexpr int kRowChunks = Traits::kSpans * 8;  // 16-byte chunks of a key row (128-byte rows a span)
+  for (int i = thread; i < (row_end - from) * kRowChunks; i += threads) {
+    const int row = from + i / kRowChunks, span = (i / 8) % Traits::kSpans;
+    const int offset = span * Traits::kBlockN * 64 + row * 64 + (i & 7) * 8;
+    *reinterpret_cast<uint4*>(smem.k + offset) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(smem.v + offset) = make_uint4(0, 0, 0, 0);
+  }
+  ptx::fence_proxy_async_shared();
+}
+
 template <typename Traits>
 __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& blk,
                                             const BwdSharedStorage<Traits>& smem, const float* __restrict__ dsum,
@@ -271,6 +290,16 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     row_stats.stage(0, first);
     consumers_sync();
     ptx::mbarrier_wait(smem.kv_full, 0);
+    if constexpr (Traits::kVarlen) {
+      if (blk.n0 + kBlockN > blk.seqlen_k) {  // block-uniform: the sequence's last key block
+        // Split keys: a warpgroup reads only its own 64 keys' rows; else dQ = dS K reads every row.
+        if constexpr (Traits::kDqSplitKeys)
+          zero_kv_past_end<Traits>(blk, smem, tid & 127, 128, 64 * wg, 64 * wg + 64);
+        else
+          zero_kv_past_end<Traits>(blk, smem, tid, Traits::kConsumerThreads, 0, kBlockN);
+        consumers_sync();
+      }
+    }
   }
 
   // The staged dQ of the previous step goes to the dQ writer (dq_full) only once this step's first GEMMs are

@@ -71,6 +71,12 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
     row_stats.stage(0, first);
     ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
     ptx::mbarrier_wait(smem.kv_full, 0);
+    if constexpr (Traits::kVarlen) {
+      if (blk.n0 + kBlockN > blk.seqlen_k) {  // block-uniform: the sequence's last key block
+        zero_kv_past_end<Traits>(blk, smem, tid, Traits::kConsumerThreads, 0, kBlockN);
+        ptx::named_barrier_sync(kBwdConsumerBarrier, Traits::kConsumerThreads);
+      }
+    }
   }
 
   BwdStepCursor cursor(blk);
