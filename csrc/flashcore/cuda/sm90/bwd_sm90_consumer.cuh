@@ -8,7 +8,7 @@
 //   dV_w += P^T dO                                   (wgmma, A from registers, B = the dO tile read MN-major;
 //                                                     issued before dS is computed where registers allow)
 //   dQ   = dS K                                      (wgmma, dS^T staged in shared memory and read M-major; the
-//                                                     warpgroups split it, see BwdSm90Traits::kDqSplitKeys)
+//                                                     warpgroups split it, bwd_sm90_config.cuh kDqSplit)
 //   dK_w += dS^T Q                                   (like dV; issued last, so it hides dQ's staging)
 // dQ is staged in shared memory for the dQ writer (bwd_sm90_producer.cuh), which adds it to the fp32 accumulator
 // in global memory with TMA reductions. The per-query lse/dsum of the next step are loaded from global memory
@@ -394,10 +394,10 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     ptx::fence_proxy_async_shared();
     consumers_sync();
 
-    // dQ of kDqMTiles m64 query tiles (a 64-query span of dS^T each), 64 columns. Split by head-dim columns: all
-    // kBlockN keys, span wg of K. Split by keys: this warpgroup's 64 keys, every column (head dim 64 only; by keys
-    // at head dim 128 measured 12-15 % slower, bwd_sm90_config.cuh).
-    constexpr int kDqMTiles = kBlockM / 64;
+    // dQ of kDqMTiles m64 query tiles (a 64-query span of dS^T each), kDqCols = 64 columns
+    // (bwd_sm90_config.cuh): split by columns, all kBlockN keys and span wg of K; by rows, all keys and the
+    // warpgroup's query span wg of dS^T; by keys, this warpgroup's 64 keys, every query and column.
+    constexpr int kDqMTiles = Traits::kDqRows / 64;
     static_assert(Traits::kDqCols == 64, "one 64-column dQ GEMM a warpgroup and step");
     if constexpr (!kDvBeforeDs) {
       ptx::wgmma_wait<0>();  // dV has retired (it ran during the barrier): P's fragments make room for dQ
@@ -406,8 +406,12 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     }
     float dq[kDqMTiles][32];
     const uint32_t ds_addr = ptx::smem_addr(ds);
-    const uint32_t ds_a = Traits::kDqSplitKeys ? ds_addr + 64 * wg * 128 : ds_addr;
-    const uint32_t k_b = Traits::kDqSplitKeys ? k_addr + 64 * wg * 128 : k_addr + wg * kBlockN * 128;
+    const uint32_t ds_a = Traits::kDqSplitKeys   ? ds_addr + 64 * wg * 128
+                          : Traits::kDqSplitRows ? ds_addr + wg * kBlockN * 128
+                                                 : ds_addr;
+    const uint32_t k_b = Traits::kDqSplitKeys   ? k_addr + 64 * wg * 128
+                         : Traits::kDqSplitRows ? k_addr
+                                                : k_addr + wg * kBlockN * 128;
     auto issue_dq = [&] {
       ptx::wgmma_fence();
 #pragma unroll
@@ -419,7 +423,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
       }
       ptx::wgmma_commit();
     };
-    // dQ (rows: queries m0 + 64 mt + warp_row + g (+ 8)) to the staging tile.
+    // dQ (rows: queries m0 + dq_row0(wg) + 64 mt + warp_row + g (+ 8)) to the staging tile.
     auto stage_dq = [&] {
 #pragma unroll
       for (int mt = 0; mt < kDqMTiles; ++mt) {
@@ -428,7 +432,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
           const int row = 64 * mt + warp_row + g + 8 * half;
 #pragma unroll
           for (int ni = 0; ni < 8; ++ni)
-            *reinterpret_cast<float2*>(dq_stage + dq_staging_offset<kBlockM>(row, ni * 8 + 2 * t)) =
+            *reinterpret_cast<float2*>(dq_stage + dq_staging_offset<Traits::kDqRows>(row, ni * 8 + 2 * t)) =
                 make_float2(dq[mt][4 * ni + 2 * half] * p.scale, dq[mt][4 * ni + 2 * half + 1] * p.scale);
         }
       }

@@ -83,8 +83,8 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
         const int col0 = Traits::dq_col0(wg, chunk);
 #pragma unroll
         for (int box = 0; box < Traits::kDqBoxes; ++box)
-          ptx::tma_reduce_add_2d(tm_dq, smem.dq_staging(wg) + box * kBlockM * 32, col0 + box * Traits::kDqBoxCols,
-                                 row0);
+          ptx::tma_reduce_add_2d(tm_dq, smem.dq_staging(wg) + box * Traits::kDqRows * 32,
+                                 col0 + box * Traits::kDqBoxCols, row0 + Traits::dq_row0(wg));
         ptx::bulk_commit_group();
       }
       // Groups complete in order: release each warpgroup's tile as soon as its reduction has read it.

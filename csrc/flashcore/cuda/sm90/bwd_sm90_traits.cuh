@@ -54,15 +54,20 @@ struct BwdSm90Traits {
                 "setmaxnreg split exceeds the registers the block gets at launch");
   static constexpr int kSpans = kTileCols / 64;  // TMA boxes per Q/dO/K/V tile
 
-  // dQ = dS K of the step is split between the warpgroups by keys or by head-dim columns (Config::kDqByKeys).
-  // Split head dim: by columns, kDqChunks 64-column chunks a warpgroup, one after the other through its staging
-  // tile.
-  static constexpr bool kDqSplitKeys = Config::kDqByKeys;
-  static_assert(!(kDqSplitKeys && kSplitHeadDim), "split head dim splits dQ by columns");
+  // dQ = dS K of the step is split between the warpgroups by head-dim columns, query rows or keys
+  // (Config::kDqSplit, bwd_sm90_config.cuh). Split head dim: by columns, kDqChunks 64-column chunks a warpgroup,
+  // one after the other through its staging tile.
+  // By rows needs one m64 query tile a warpgroup: where a step is 64 rows (the score-mod variant at head dim
+  // 64), those kernels split by keys.
+  static constexpr bool kDqSplitRows = Config::kDqSplit == DqSplit::kRows && kBlockM == 64 * kWarpgroups;
+  static constexpr bool kDqSplitKeys = Config::kDqSplit == DqSplit::kKeys ||
+                                       (Config::kDqSplit == DqSplit::kRows && !kDqSplitRows);
+  static_assert(!((kDqSplitKeys || kDqSplitRows) && kSplitHeadDim), "split head dim splits dQ by columns");
   static constexpr int kDqKeys = kDqSplitKeys ? 64 : kBlockN;  // K extent of one warpgroup's dQ GEMM
-  static constexpr int kDqCols = kDqSplitKeys ? kTileCols : 64;  // N of one warpgroup's dQ GEMM (one chunk)
+  static constexpr int kDqCols = kDqSplitKeys || kDqSplitRows ? kTileCols : 64;  // N of one dQ GEMM (one chunk)
+  static constexpr int kDqRows = kDqSplitRows ? 64 : kBlockM;  // query rows of one warpgroup's dQ
   static constexpr int kDqChunks = kSplitHeadDim ? kWgCols / 64 : 1;
-  static_assert(kDqSplitKeys || kTileCols / kWarpgroups == 64 * kDqChunks, "dQ chunks are m64n64");
+  static_assert(kDqSplitKeys || kDqSplitRows || kTileCols / kWarpgroups == 64 * kDqChunks, "dQ chunks are m64n64");
 
   using QTile = cuda::SmemTile<kBlockM, kTileCols>;   // Q and dO: rows = queries
   using KVTile = cuda::SmemTile<kBlockN, kTileCols>;  // K and V: rows = keys
@@ -71,17 +76,20 @@ struct BwdSm90Traits {
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
   static constexpr uint32_t kDsBytes = DsTile::kElems * 2;
   static constexpr uint32_t kRowStatBytes = 2 * kBlockM * 4;  // per query: lse (log2 units), rowsum(dO * O)
-  // First column of dQ chunk `chunk` of warpgroup `wg` (its staging tile's column 0).
-  static constexpr int dq_col0(int wg, int chunk) { return kDqSplitKeys ? 0 : 64 * (wg * kDqChunks + chunk); }
-  // Each warpgroup's dQ (kBlockM queries x kDqCols columns, fp32) is staged as 32-column boxes in the 128-byte
+  // First column and first query row (from the step's) of dQ chunk `chunk` of warpgroup `wg`.
+  static constexpr int dq_col0(int wg, int chunk) {
+    return kDqSplitKeys || kDqSplitRows ? 0 : 64 * (wg * kDqChunks + chunk);
+  }
+  static constexpr int dq_row0(int wg) { return kDqSplitRows ? 64 * wg : 0; }
+  // Each warpgroup's dQ (kDqRows queries x kDqCols columns, fp32) is staged as 32-column boxes in the 128-byte
   // swizzle and added to the global accumulator by TMA (cp.reduce.async.bulk.tensor).
-  static constexpr int kDqBoxCols = 32, kDqBoxRows = kBlockM, kDqBoxes = kDqCols / kDqBoxCols;
-  static constexpr uint32_t kDqWgBytes = kBlockM * kDqCols * 4;
+  static constexpr int kDqBoxCols = 32, kDqBoxRows = kDqRows, kDqBoxes = kDqCols / kDqBoxCols;
+  static constexpr uint32_t kDqWgBytes = kDqRows * kDqCols * 4;
   // Split keys, the warpgroups never read each other's shared memory in a step: each stages its own copy of the
   // step's lse/dsum and synchronizes only its own threads, so neither waits for the other.
   static constexpr int kRowStatCopies = kDqSplitKeys ? kWarpgroups : 1;
-  // dS^T is double-buffered by step parity where the warpgroups read each other's rows (dQ split by columns): a
-  // fast warpgroup may write step i + 1's while the other still reads step i's. Split by keys, each reads only
+  // dS^T is double-buffered by step parity where the warpgroups read each other's rows (dQ split by columns or
+  // rows): a fast warpgroup may write step i + 1's while the other still reads step i's. Split by keys, each reads only
   // the rows it wrote, after its own previous dQ GEMM retired: one buffer.
   // Split head dim: P^T goes through shared memory too (each warpgroup computes half of it), double-buffered
   // like dS^T.
