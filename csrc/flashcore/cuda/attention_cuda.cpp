@@ -533,7 +533,13 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   auto [o, l] = run_varlen_fwd(query.reshape({B * Sq, Hq, D}), *k, *v, cu_q, cu_k, Sq, capacity, softmax_scale,
                                opts.is_causal, window_left, window_right, opts.softcap, sinks, alibi_slopes,
                                args.cache_seqlens, /*short_rows_on_sm90=*/true);
-  out.copy_(o.view({B, Sq, Hq, D}));
+  // The output in the layout the op promises (out's: like the query's) without a copy where it is that already;
+  // lse from the varlen layout (Hq, B * Sq) to (B, Hq, Sq).
+  const at::Tensor o_bshd = o.view({B, Sq, Hq, D});
+  if (o_bshd.strides() == out.strides())
+    out = o_bshd;
+  else
+    out.copy_(o_bshd);
   lse.copy_(l.view({Hq, B, Sq}).permute({1, 0, 2}));
   return true;
 }

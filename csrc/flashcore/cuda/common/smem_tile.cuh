@@ -31,6 +31,17 @@ struct SmemTile {
   __device__ __forceinline__ static int elem_offset(int row, int col) {
     return chunk_offset(row, col >> 3) + (col & 7);
   }
+
+  // Zeroes rows [row_begin, row_end) of the tile at `tile`, thread `thread` of `threads` taking every threads-th
+  // 16-byte chunk: key rows past a sequence's end that a GEMM still reads (P = 0 there, but 0 x NaN is NaN).
+  // Generic-proxy stores: a wgmma reading the rows needs a proxy fence and a barrier of the writers after them.
+  template <typename Element>
+  __device__ __forceinline__ static void zero_rows(Element* tile, int row_begin, int row_end, int thread,
+                                                   int threads) {
+    for (int i = thread; i < (row_end - row_begin) * kChunksPerRow; i += threads)
+      *reinterpret_cast<uint4*>(tile + chunk_offset(row_begin + i / kChunksPerRow, i % kChunksPerRow)) =
+          make_uint4(0, 0, 0, 0);
+  }
 };
 
 }  // namespace flashcore::cuda

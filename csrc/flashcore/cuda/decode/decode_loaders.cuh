@@ -192,12 +192,8 @@ struct TmaLoader {
   // All threads, once tile t's stage has landed: zeroes its V rows past the entry's length, then orders that
   // before the stage's next TMA write (proxy fence) and before every warp's reads.
   __device__ __forceinline__ static void zero_v_past_end(int t, Element* stage, int seqlen_k) {
-    Element* const sV = stage + KVTile::kElems;
-    for (int idx = threadIdx.x; idx < kBlockN * KVTile::kChunksPerRow; idx += Traits::kNThreads) {
-      const int r = idx / KVTile::kChunksPerRow, c = idx % KVTile::kChunksPerRow;
-      if (t * kBlockN + r >= seqlen_k)
-        *reinterpret_cast<uint4*>(sV + KVTile::chunk_offset(r, c)) = make_uint4(0, 0, 0, 0);
-    }
+    KVTile::zero_rows(stage + KVTile::kElems, max(0, seqlen_k - t * kBlockN), kBlockN, threadIdx.x,
+                      Traits::kNThreads);
     ptx::fence_proxy_async_shared();
     __syncthreads();
   }

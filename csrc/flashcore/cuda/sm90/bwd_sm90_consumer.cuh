@@ -236,13 +236,8 @@ template <typename Traits>
 __device__ __forceinline__ void zero_kv_past_end(const BwdBlock& blk, const BwdSharedStorage<Traits>& smem, int thread,
                                                  int threads, int row_begin, int row_end) {
   const int from = max(row_begin, blk.seqlen_k - blk.n0);
-  constexpr int kRowChunks = Traits::kSpans * 8;  // 16-byte chunks of a key row (128-byte rows a span)
-  for (int i = thread; i < (row_end - from) * kRowChunks; i += threads) {
-    const int row = from + i / kRowChunks, span = (i / 8) % Traits::kSpans;
-    const int offset = span * Traits::kBlockN * 64 + row * 64 + (i & 7) * 8;
-    *reinterpret_cast<uint4*>(smem.k + offset) = make_uint4(0, 0, 0, 0);
-    *reinterpret_cast<uint4*>(smem.v + offset) = make_uint4(0, 0, 0, 0);
-  }
+  Traits::KVTile::zero_rows(smem.k, from, row_end, thread, threads);
+  Traits::KVTile::zero_rows(smem.v, from, row_end, thread, threads);
   ptx::fence_proxy_async_shared();
 }
 

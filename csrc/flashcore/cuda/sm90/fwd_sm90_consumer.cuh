@@ -143,12 +143,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
       if (n_count > 0 && from < kBlockN) {
         const int first = kv_count % kStages;
         ptx::mbarrier_wait(&smem.v_full[first], full_parity(kv_count));
-        Element* const v_tile = smem.v_stage(first);
-        constexpr int kRowChunks = Traits::kSpans * 8;  // 16-byte chunks of a key row (128-byte rows a span)
-        for (int i = threadIdx.x; i < (kBlockN - from) * kRowChunks; i += Traits::kConsumerThreads) {
-          const int row = from + i / kRowChunks, span = (i / 8) % Traits::kSpans;
-          *reinterpret_cast<uint4*>(v_tile + span * kBlockN * 64 + row * 64 + (i & 7) * 8) = make_uint4(0, 0, 0, 0);
-        }
+        Traits::KVTile::zero_rows(smem.v_stage(first), from, kBlockN, threadIdx.x, Traits::kConsumerThreads);
         ptx::fence_proxy_async_shared();  // the generic writes, before the wgmma's (async proxy) reads
         ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
       }
