@@ -130,8 +130,6 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   };
 
   auto full_parity = [&](int use) { return (uint32_t)((use / kStages) & 1); };
-  // With a separate O buffer, each warp hands Q back once its last Q K^T has retired (the other GEMM, P V,
-  // reads V and registers only), so the producer loads the next tile's Q behind this tile's tail.
   // Varlen: rows of the first key tile walked (n_last) past the sequence's keys lie inside the packed tensors (the
   // next sequence's rows, or below seqused_k's end whatever the caller's buffer holds, a KV cache's unwritten
   // slots). P is 0 there, but 0 x NaN is NaN in P V, so the consumers zero those V rows once they have landed,
@@ -149,6 +147,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
       }
     }
   };
+  // With a separate O buffer, each warp hands Q back once its last Q K^T has retired (the other GEMM, P V,
+  // reads V and registers only), so the producer loads the next tile's Q behind this tile's tail.
   auto release_q = [&] {
     if constexpr (Traits::kSeparateO) {
       if (lane == 0) ptx::mbarrier_arrive(smem.q_empty);
