@@ -86,6 +86,26 @@ def test_backward_misaligned_and_strided(request, bwd_path, dtype):
     check_grads(got, q, k, v, dout, True, dtype=dtype)
 
 
+@pytest.mark.parametrize("layout", ["bshd", "head_dim_40"])
+def test_backward_grad_query_post_pass_layouts(request, bwd_path, layout):
+    """grad_query comes from the fp32 dQ accumulator through the post-pass kernel, which applies the softmax scale
+    once (the Hopper kernels sum dQ without it) and writes grad_query in the strides empty_like gives it: BSHD
+    storage, or head dim 40 (five 8-column chunks a row)."""
+    g = make_generator(request, DEV)
+    D = 40 if layout == "head_dim_40" else 64
+    if layout == "bshd":  # empty_like keeps the permutation: grad_query's rows are Hq * D apart
+        q = randn((2, 150, 3, D), torch.float16, g, DEV).transpose(1, 2).detach().requires_grad_()
+        assert q.stride(2) == 3 * D
+    else:
+        q = randn((2, 3, 150, D), torch.float16, g, DEV).detach().requires_grad_()
+    k, v = (randn((2, 3, 170, D), torch.float16, g, DEV).detach().requires_grad_() for _ in range(2))
+    dout = randn((2, 3, 150, D), torch.float16, g, DEV)
+    got = torch.autograd.grad(flashcore.attention(q, k, v, scale=0.3), (q, k, v), dout)
+    assert_ran("bwd", bwd_path)
+    assert got[0].stride() == torch.empty_like(q).stride()
+    check_grads(got, q, k, v, dout, False, dtype=torch.float16, scale=0.3)
+
+
 def test_backward_expanded_kv_and_zero_stride_grad(request):
     """Zero-stride (expanded) K/V heads and the zero-stride gradient of out.sum(): right, on whatever path the
     dispatcher picks for them."""

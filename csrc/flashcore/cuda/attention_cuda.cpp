@@ -15,6 +15,7 @@
 #include "../kernel_trace.h"
 #include "../switches.h"
 #include "bwd_composite_cuda.h"
+#include "bwd_dq_convert.cuh"
 #include "bwd_preprocess.cuh"
 #include "decode/decode.h"
 #include "kernel_registry.h"
@@ -169,6 +170,19 @@ const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const 
   return entry;
 }
 
+// grad_query = scale * the fp32 dQ accumulator, rounded once. `a` describes both (bwd_dq_convert.cuh); `view` is
+// the accumulator viewed in grad_query's shape, for ATen where the post-pass kernel's layout rules do not hold
+// (head dims not a multiple of 8, unaligned or non-unit-stride outputs).
+void write_grad_query(cuda::DqConvertArgs a, at::Tensor& grad_query, const at::Tensor& view, double scale) {
+  a.out = grad_query.data_ptr();
+  a.scale = (float)scale;
+  a.bf16 = grad_query.scalar_type() == at::kBFloat16;
+  if (grad_query.stride(-1) == 1 && cuda::dq_convert_supported(a))
+    cuda::launch_bwd_dq_convert(a, at::cuda::getCurrentCUDAStream());
+  else
+    at::mul_out(grad_query, view, c10::scalar_to_tensor(scale));
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_out_in, const at::Tensor& query_in,
                                                         const at::Tensor& key_in, const at::Tensor& value_in,
                                                         const at::Tensor& out_in, const at::Tensor& lse,
@@ -204,7 +218,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dsum = at::empty({q.size(0), q.size(1), q.size(2)}, f32);
   const int64_t rows = (q.size(2) + kernel->block_m - 1) / kernel->block_m * kernel->block_m;
-  const int64_t dq_cols = kernel->dq_cols_exact ? q.size(3) : kernel->head_dim_tile;
+  const int64_t dq_cols = kernel->dq_accum.cols_exact ? q.size(3) : kernel->head_dim_tile;
   at::Tensor dq_accum = at::empty({q.size(0), q.size(1), rows, dq_cols}, f32);
   poison_if_enabled({dsum, dq_accum});  // the pre-pass must write both whole
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -217,7 +231,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   dsum = at::Tensor();
   grad_query = at::empty_like(query_in);
   poison_if_enabled({grad_query});
-  grad_query.copy_(dq_accum.narrow(2, 0, q.size(2)).narrow(3, 0, q.size(3)));
+  cuda::DqConvertArgs convert{};
+  convert.accum = dq_accum.data_ptr<float>();
+  convert.batch = q.size(0);
+  convert.heads = q.size(1);
+  convert.seqlen = q.size(2);
+  convert.rows_per_head = rows;
+  convert.cols = dq_cols;
+  convert.out_batch = grad_query.stride(0);
+  convert.out_head = grad_query.stride(1);
+  convert.out_seq = grad_query.stride(2);
+  convert.head_dim = (int)q.size(3);
+  write_grad_query(convert, grad_query, dq_accum.narrow(2, 0, q.size(2)).narrow(3, 0, q.size(3)),
+                   kernel->dq_accum.unscaled ? p.scale : 1.0);
   return {grad_query, grad_key, grad_value};
 }
 
@@ -474,7 +500,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const int64_t total_q = q.size(0), Hq = q.size(1);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dsum = at::empty({Hq, total_q}, f32);
-  const int64_t dq_cols = kernel->dq_cols_exact ? D : kernel->head_dim_tile;
+  const int64_t dq_cols = kernel->dq_accum.cols_exact ? D : kernel->head_dim_tile;
   at::Tensor dq_accum = at::empty({Hq, total_q, dq_cols}, f32);
   poison_if_enabled({dsum, dq_accum});
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -488,7 +514,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
                            total_q, (int)dq_cols, stream);
   record_kernel(Pass::kBwd, KernelTrace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod, true});
   kernel->launch_varlen(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
-  grad_query.copy_(dq_accum.transpose(0, 1).narrow(2, 0, D));
+  cuda::DqConvertArgs convert{};  // (1, Hq, total_q) rows; grad_query is (total_q, Hq, D)
+  convert.accum = dq_accum.data_ptr<float>();
+  convert.batch = 1;
+  convert.heads = Hq;
+  convert.seqlen = total_q;
+  convert.rows_per_head = total_q;
+  convert.cols = dq_cols;
+  convert.out_batch = 0;
+  convert.out_head = grad_query.stride(1);
+  convert.out_seq = grad_query.stride(0);
+  convert.head_dim = (int)D;
+  write_grad_query(convert, grad_query, dq_accum.transpose(0, 1).narrow(2, 0, D),
+                   kernel->dq_accum.unscaled ? p.scale : 1.0);
   return {grad_query, grad_key, grad_value};
 }
 

@@ -15,8 +15,9 @@ enum class DType { kFp16, kBf16 };
 
 using FwdLaunchFn = void (*)(const FwdParams&, cudaStream_t);
 // dsum: (batch * heads_q * seqlen_q) fp32 rowsum(dO * O) from the pre-pass; dq_accum: (batch * heads_q,
-// seqlen_q rounded up to block_m, head_dim_tile or head_dim: BwdKernelEntry::dq_cols_exact) fp32, zeroed,
-// receives dQ (already multiplied by the softmax scale); padded so that every query block's dQ tile is whole.
+// seqlen_q rounded up to block_m, head_dim_tile or head_dim: BwdKernelEntry::dq_accum) fp32, zeroed,
+// receives dQ (times the softmax scale unless BwdKernelEntry::dq_accum.unscaled); padded so that every query block's
+// dQ tile is whole.
 using BwdLaunchFn = void (*)(const BwdParams&, const float* dsum, float* dq_accum, cudaStream_t);
 
 struct FwdKernelEntry {
@@ -29,6 +30,12 @@ struct FwdKernelEntry {
   FwdLaunchFn launch_varlen = nullptr;
 };
 
+// What a backward kernel leaves in dq_accum.
+struct DqAccumLayout {
+  bool cols_exact;  // head_dim columns (the kernel's TMA reductions drop columns past it), else head_dim_tile
+  bool unscaled;    // dS K without the softmax scale: the post-pass that writes grad_query multiplies by it
+};
+
 struct BwdKernelEntry {
   const char* family;
   int head_dim_tile;
@@ -37,8 +44,7 @@ struct BwdKernelEntry {
   int smem_bytes;  // dynamic shared memory a block needs: the dispatcher checks it against the device's limit
   int block_m;     // query rows per tile: dq_accum's row padding
   BwdLaunchFn launch;
-  // dq_accum's columns: head_dim itself (the kernel's TMA reductions drop columns past it), else head_dim_tile.
-  bool dq_cols_exact = false;
+  DqAccumLayout dq_accum = {false, false};
   // The variable-length launcher: dsum (heads_q, total_q), dq_accum (heads_q, total_q, dq columns as above), zeroed.
   BwdLaunchFn launch_varlen = nullptr;
   // Keys of the varlen kernel's blocks when fixed (then its grid can be packed: VarlenParams::tile_end), or 0.

@@ -6,5 +6,5 @@ namespace {
 const bool registered = flashcore::cuda::register_bwd_kernel(
     {"sm80", 128, flashcore::cuda::DType::kFp16, false,
      flashcore::sm80::bwd_smem_bytes<128, __half, false>(), flashcore::sm80::bwd_block_m<128, __half, false>(),
-     &flashcore::sm80::launch_bwd<128, __half, false>, flashcore::sm80::kBwdDqColsExact});
+     &flashcore::sm80::launch_bwd<128, __half, false>, flashcore::sm80::kBwdDqAccum});
 }  // namespace

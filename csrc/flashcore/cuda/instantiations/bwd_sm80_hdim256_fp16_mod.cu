@@ -6,5 +6,5 @@ namespace {
 const bool registered = flashcore::cuda::register_bwd_kernel(
     {"sm80", 256, flashcore::cuda::DType::kFp16, true,
      flashcore::sm80::bwd_smem_bytes<256, __half, true>(), flashcore::sm80::bwd_block_m<256, __half, true>(),
-     &flashcore::sm80::launch_bwd<256, __half, true>, flashcore::sm80::kBwdDqColsExact, &flashcore::sm80::launch_bwd_varlen<256, __half>});
+     &flashcore::sm80::launch_bwd<256, __half, true>, flashcore::sm80::kBwdDqAccum, &flashcore::sm80::launch_bwd_varlen<256, __half>});
 }  // namespace

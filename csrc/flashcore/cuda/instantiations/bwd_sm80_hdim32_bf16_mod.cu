@@ -6,5 +6,5 @@ namespace {
 const bool registered = flashcore::cuda::register_bwd_kernel(
     {"sm80", 32, flashcore::cuda::DType::kBf16, true,
      flashcore::sm80::bwd_smem_bytes<32, __nv_bfloat16, true>(), flashcore::sm80::bwd_block_m<32, __nv_bfloat16, true>(),
-     &flashcore::sm80::launch_bwd<32, __nv_bfloat16, true>, flashcore::sm80::kBwdDqColsExact, &flashcore::sm80::launch_bwd_varlen<32, __nv_bfloat16>});
+     &flashcore::sm80::launch_bwd<32, __nv_bfloat16, true>, flashcore::sm80::kBwdDqAccum, &flashcore::sm80::launch_bwd_varlen<32, __nv_bfloat16>});
 }  // namespace

@@ -6,5 +6,5 @@ namespace {
 const bool registered = flashcore::cuda::register_bwd_kernel(
     {"sm80", 96, flashcore::cuda::DType::kBf16, false,
      flashcore::sm80::bwd_smem_bytes<96, __nv_bfloat16, false>(), flashcore::sm80::bwd_block_m<96, __nv_bfloat16, false>(),
-     &flashcore::sm80::launch_bwd<96, __nv_bfloat16, false>, flashcore::sm80::kBwdDqColsExact});
+     &flashcore::sm80::launch_bwd<96, __nv_bfloat16, false>, flashcore::sm80::kBwdDqAccum});
 }  // namespace

@@ -36,7 +36,7 @@ namespace {{
 const bool registered = flashcore::cuda::register_bwd_kernel(
     {{"{family}", {hdim}, flashcore::cuda::DType::{enum}, {mod},
      flashcore::{family}::bwd_smem_bytes<{hdim}, {ctype}, {mod}>(), flashcore::{family}::bwd_block_m<{hdim}, {ctype}, {mod}>(),
-     &flashcore::{family}::launch_bwd<{hdim}, {ctype}, {mod}>, flashcore::{family}::kBwdDqColsExact{bwd_varlen}}});
+     &flashcore::{family}::launch_bwd<{hdim}, {ctype}, {mod}>, flashcore::{family}::kBwdDqAccum{bwd_varlen}}});
 }}  // namespace
 """
 

@@ -26,6 +26,12 @@ constexpr int launch_regs_per_thread(int threads) {
   return (65536 / threads < 255 ? 65536 / threads : 255) / 8 * 8;
 }
 
+// This thread's warpgroup index (tid / 128), broadcast from lane 0 so that the compiler knows it is warp-uniform
+// (shfl.sync with a constant source lane, PTX ISA 9.7.8.6). Plain tid >> 7 is a per-thread value: every wgmma
+// descriptor offset by it was built in vector registers and moved to uniform registers (R2UR) before each
+// wgmma; uniform, the descriptors stay in the uniform datapath (one UIADD3 a wgmma operand).
+__device__ __forceinline__ int warpgroup_index(int tid) { return __shfl_sync(0xffffffffu, tid >> 7, 0); }
+
 // Synchronizes `threads` threads (a multiple of 32) on hardware barrier `id` (1..15; 0 is __syncthreads).
 __device__ __forceinline__ void named_barrier_sync(uint32_t id, uint32_t threads) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");

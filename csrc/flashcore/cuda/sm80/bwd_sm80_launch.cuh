@@ -9,13 +9,14 @@
 #include <cstdint>
 
 #include "../../params.h"
+#include "../kernel_registry.h"
 #include "../launch_utils.cuh"
 #include "bwd_sm80_kernel.cuh"
 
 namespace flashcore::sm80 {
 
-// dq_accum has head_dim_tile columns: the kernel indexes it with kHeadDim.
-constexpr bool kBwdDqColsExact = false;
+// dq_accum has head_dim_tile columns (the kernel indexes it with kHeadDim) and dQ already scaled.
+constexpr cuda::DqAccumLayout kBwdDqAccum = {/*cols_exact=*/false, /*unscaled=*/false};
 
 template <int kHeadDim, typename Element, bool /*kScoreMod: the same tiles*/>
 constexpr int bwd_smem_bytes() {

@@ -23,6 +23,7 @@
 #include "../common/fragment_score_mod.cuh"
 #include "../common/pack.cuh"
 #include "../ptx/mbarrier.cuh"
+#include "../ptx/stmatrix.cuh"
 #include "../ptx/tma.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "../ptx/wgmma_sm90.cuh"
@@ -36,11 +37,22 @@ constexpr uint32_t kBwdConsumerBarrier = 1;
 
 // Offset (floats) of (row, col) in a warpgroup's dQ staging tile (kRows queries x 64 columns): two boxes of 32
 // columns, rows of 128 bytes whose 16-byte chunks are swizzled as TMA's 128-byte mode expects (chunk c of row r
-// at c ^ (r % 8)). A warp's float2 stores (8 rows x 4 column pairs) then fall in distinct banks.
+// at c ^ (r % 8)). A warp's float2 stores (8 rows x 4 column pairs) take 4 wavefronts, not the 2 of their 256
+// bytes: rows g and g ^ 1 of a half-warp meet in the same chunks. Unswizzled 8-column boxes avoid that but made
+// the dQ writer's TMA reductions slower (docs/PERFORMANCE.md, rejected).
 template <int kRows>
 __device__ __forceinline__ int dq_staging_offset(int row, int col) {
   const int box = col >> 5, chunk = (col & 31) >> 2;
   return box * (kRows * 32) + row * 32 + ((chunk ^ (row & 7)) << 2) + (col & 3);
+}
+
+// The same for this thread's accumulator pairs of n8 tile ni, rows r0 + 8 h (r0 % 8 = g), columns 8 ni + 2t, from
+// the offset of ni = 0, h = 0: chunk (2 (ni % 4) + t / 2) ^ g is that of ni = 0 XOR 2 (ni % 4) (disjoint bits),
+// and the tile's rows are 128-byte aligned, so bits 3-4 of a float offset hold only the chunk. Four address
+// computations a step instead of one per store.
+template <int kRows>
+__device__ __forceinline__ int dq_pair_offset(int offset0, int ni, int h) {
+  return (offset0 ^ ((ni & 3) << 3)) + (ni >> 2) * (kRows * 32) + h * 8 * 32;
 }
 
 // Packs an m64nN fp32 accumulator (this thread's N / 2 values) into the N / 16 k16 A fragments of the next GEMM.
@@ -255,7 +267,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
 
   const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
   const int lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int wg = tid >> 7;
+  const int wg = ptx::warpgroup_index(tid);
   const int warp_row = ((tid >> 5) & 3) * 16;  // this warp's first row inside the warpgroup's 64
   const uint32_t k_addr = ptx::smem_addr(smem.k), v_addr = ptx::smem_addr(smem.v);
   const Band& band = Traits::kVarlen ? varlen_consumer_band<Traits>(blk, smem, tid) : p.band;
@@ -264,6 +276,15 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
                       : p.band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM);
   const int key_lo = blk.n0 + 64 * wg + warp_row + g;  // keys of this thread's accumulator rows: key_lo, key_lo + 8
   float* dq_stage = smem.dq_staging(wg);
+  // dS^T goes to shared memory a 16 x 16 fragment block at a time (stmatrix.x4: dsa[kk]'s four registers are its
+  // four 8 x 8 matrices, keys g / g + 8 by query columns 2t / 8 + 2t). Lane l addresses row l % 8 + 8 ((l / 8) % 2)
+  // of the warp's 16 keys, 8-column half l / 16 of block kk. In the 128-byte swizzle, block kk's chunk is
+  // (2 (kk % 4) + half) ^ (row % 8) = ((half ^ (row % 8)) ^ 2 (kk % 4)): the kk = 0 offset XOR a constant (the tile
+  // is 1024-byte aligned and rows are 128 bytes, so bits 4-6 hold only the chunk), plus kk / 4 spans.
+  auto ds_store_offset = [&](int kk) -> uint32_t {
+    const uint32_t base = 2u * Traits::DsTile::chunk_offset(64 * wg + warp_row + (lane & 7) + (lane & 8), lane >> 4);
+    return (kk / 4) * (uint32_t)(kBlockN * 64 * 2) + (base ^ (uint32_t)((kk % 4) << 5));
+  };
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
 #pragma unroll
@@ -376,15 +397,9 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     // dS^T to shared memory (keys = rows), the next step's lse/dsum beside it; then every consumer's writes are
     // visible to every consumer's dQ wgmma (async proxy) through the fence and the barrier.
     Element* ds = smem.ds_buffer(step);
+    const uint32_t ds_addr = ptx::smem_addr(ds);
 #pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk) {
-#pragma unroll
-      for (int f = 0; f < 4; ++f) {
-        const int row = 64 * wg + warp_row + g + ((f & 1) ? 8 : 0);
-        const int col = 16 * kk + 2 * t + ((f & 2) ? 8 : 0);
-        *reinterpret_cast<uint32_t*>(ds + Traits::DsTile::elem_offset(row, col)) = dsa[kk][f];
-      }
-    }
+    for (int kk = 0; kk < kQSteps; ++kk) ptx::stmatrix_x4(ds_addr + ds_store_offset(kk), dsa[kk]);
     if (step + 1 < blk.steps) row_stats.stage((step + 1) & 1, next_stat);
     ptx::fence_proxy_async_shared();
     consumers_sync();
@@ -400,7 +415,6 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
       for (int kk = 0; kk < kQSteps; ++kk) ptx::fence_operand(pa[kk]);
     }
     float dq[kDqMTiles][32];
-    const uint32_t ds_addr = ptx::smem_addr(ds);
     const uint32_t ds_a = Traits::kDqSplitKeys   ? ds_addr + 64 * wg * 128
                           : Traits::kDqSplitRows ? ds_addr + wg * kBlockN * 128
                                                  : ds_addr;
@@ -418,17 +432,18 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
       }
       ptx::wgmma_commit();
     };
-    // dQ (rows: queries m0 + dq_row0(wg) + 64 mt + warp_row + g (+ 8)) to the staging tile.
+    // dQ (rows: queries m0 + dq_row0(wg) + 64 mt + warp_row + g (+ 8)) to the staging tile, without the softmax
+    // scale (the post-pass applies it: bwd_sm90_launch.cuh kBwdDqAccum).
     auto stage_dq = [&] {
+      const int offset0 = dq_staging_offset<Traits::kDqRows>(warp_row + g, 2 * t);  // ni = 0, h = 0, mt = 0
 #pragma unroll
       for (int mt = 0; mt < kDqMTiles; ++mt) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const int row = 64 * mt + warp_row + g + 8 * half;
 #pragma unroll
           for (int ni = 0; ni < 8; ++ni)
-            *reinterpret_cast<float2*>(dq_stage + dq_staging_offset<Traits::kDqRows>(row, ni * 8 + 2 * t)) =
-                make_float2(dq[mt][4 * ni + 2 * half] * p.scale, dq[mt][4 * ni + 2 * half + 1] * p.scale);
+            *reinterpret_cast<float2*>(dq_stage + mt * 64 * 32 + dq_pair_offset<Traits::kDqRows>(offset0, ni, half)) =
+                make_float2(dq[mt][4 * ni + 2 * half], dq[mt][4 * ni + 2 * half + 1]);
         }
       }
     };

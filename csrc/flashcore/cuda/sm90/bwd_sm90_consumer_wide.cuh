@@ -47,7 +47,7 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
 
   const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
   const int lane = tid & 31, g = lane >> 2, t = lane & 3;
-  const int wg = tid >> 7;
+  const int wg = ptx::warpgroup_index(tid);
   const int warp_row = ((tid >> 5) & 3) * 16;  // this warp's first key (and dQ query) inside the block's 64
   const uint32_t k_addr = ptx::smem_addr(smem.k), v_addr = ptx::smem_addr(smem.v);
   const Band& band = Traits::kVarlen ? varlen_consumer_band<Traits>(blk, smem, tid) : p.band;
@@ -173,7 +173,7 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
 #pragma unroll
         for (int ni = 0; ni < 8; ++ni)
           *reinterpret_cast<float2*>(dq_stage + dq_staging_offset<kBlockM>(row, ni * 8 + 2 * t)) =
-              make_float2(acc[4 * ni + 2 * half] * p.scale, acc[4 * ni + 2 * half + 1] * p.scale);
+              make_float2(acc[4 * ni + 2 * half], acc[4 * ni + 2 * half + 1]);  // unscaled (kBwdDqAccum)
       }
       ptx::fence_proxy_async_shared();
       __syncwarp();

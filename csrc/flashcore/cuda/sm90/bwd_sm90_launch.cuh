@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "../../params.h"
+#include "../kernel_registry.h"
 #include "../launch_utils.cuh"
 #include "bwd_sm90_kernel.cuh"
 #include "tma_desc.h"
@@ -17,8 +18,9 @@
 namespace flashcore::sm90 {
 
 // dq_accum has exactly head_dim columns: the TMA reductions drop the tile's columns past it (a padded head dim,
-// e.g. 96 in the 128 tile, so the accumulator is no larger than the mma.sync family's).
-constexpr bool kBwdDqColsExact = true;
+// e.g. 96 in the 128 tile, so the accumulator is no larger than the mma.sync family's). dQ is summed without the
+// softmax scale, which the post-pass applies once (a multiply a value and step fewer in the consumers).
+constexpr cuda::DqAccumLayout kBwdDqAccum = {/*cols_exact=*/true, /*unscaled=*/true};
 
 template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr int bwd_smem_bytes() {

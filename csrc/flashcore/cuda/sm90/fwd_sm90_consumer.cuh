@@ -41,7 +41,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   using MmaPV = ptx::Wgmma<Element, Traits::kHeadDim>;
 
   const int lane = threadIdx.x & 31;
-  const int wg = threadIdx.x >> 7;
+  const int wg = ptx::warpgroup_index(threadIdx.x);
   const int warp_row0 = wg * 64 + ((threadIdx.x >> 5) & 3) * 16;  // this warp's 16 rows inside the block
   const uint32_t q_addr = ptx::smem_addr(smem.q);
   const uint32_t k_addr = ptx::smem_addr(smem.k);
