@@ -10,6 +10,7 @@ CPU in float32; the GPU variants run in bfloat16.
 """
 
 import copy
+import inspect
 import os
 import subprocess
 import sys
@@ -271,11 +272,14 @@ def test_cache_chunks(kind, padded):
     ref, model = pair(kind)
     ids, mask = prompts([18, 11] if padded else [18, 18])
     logits = {}
+    # The cache argument is `cache` in newer transformers and `past_key_values` before (5.17); a name the model
+    # does not take would land in **kwargs unused, and every chunk would run without its context.
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     for name, m in (("ref", ref), ("fcore", model)):
         cache, out = None, []
         with torch.no_grad():
             for lo, hi in ((0, 10), (10, 17), (17, 18)):
-                res = m(ids[:, lo:hi], attention_mask=mask[:, :hi], cache=cache, use_cache=True)
+                res = m(ids[:, lo:hi], attention_mask=mask[:, :hi], use_cache=True, **{cache_arg: cache})
                 cache = res.past_key_values
                 out.append(res.logits)
         logits[name] = torch.cat(out, dim=1)
