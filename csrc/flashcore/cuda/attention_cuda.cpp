@@ -170,17 +170,32 @@ const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const 
   return entry;
 }
 
-// grad_query = scale * the fp32 dQ accumulator, rounded once. `a` describes both (bwd_dq_convert.cuh); `view` is
-// the accumulator viewed in grad_query's shape, for ATen where the post-pass kernel's layout rules do not hold
-// (head dims not a multiple of 8, unaligned or non-unit-stride outputs).
-void write_grad_query(cuda::DqConvertArgs a, at::Tensor& grad_query, const at::Tensor& view, double scale) {
-  a.out = grad_query.data_ptr();
+// grad_query = scale * the fp32 dQ accumulator, rounded once. dq_accum: (B, H, rows_per_head, cols) fp32,
+// contiguous; grad_query4: grad_query viewed as (B, H, S, D) (a view, so both paths write grad_query's storage).
+// The post-pass kernel (bwd_dq_convert.cuh) takes every grad_query empty_like makes here (the ops require a
+// unit-stride head dim, a multiple of 8 on the fused paths); ATen's mul_out covers what its grid does not (more
+// than 65 535 x 64 query rows).
+void write_grad_query(const at::Tensor& dq_accum, const at::Tensor& grad_query4, double scale) {
+  cuda::DqConvertArgs a{};
+  a.accum = dq_accum.data_ptr<float>();
+  a.batch = grad_query4.size(0);
+  a.heads = grad_query4.size(1);
+  a.seqlen = grad_query4.size(2);
+  a.rows_per_head = dq_accum.size(2);
+  a.cols = dq_accum.size(3);
+  a.out = grad_query4.data_ptr();
+  a.out_batch = grad_query4.stride(0);
+  a.out_head = grad_query4.stride(1);
+  a.out_seq = grad_query4.stride(2);
+  a.head_dim = (int)grad_query4.size(3);
   a.scale = (float)scale;
-  a.bf16 = grad_query.scalar_type() == at::kBFloat16;
-  if (grad_query.stride(-1) == 1 && cuda::dq_convert_supported(a))
+  a.bf16 = grad_query4.scalar_type() == at::kBFloat16;
+  if (grad_query4.stride(3) == 1 && cuda::dq_convert_supported(a)) {
     cuda::launch_bwd_dq_convert(a, at::cuda::getCurrentCUDAStream());
-  else
-    at::mul_out(grad_query, view, c10::scalar_to_tensor(scale));
+  } else {
+    at::Tensor out = grad_query4;
+    at::mul_out(out, dq_accum.narrow(2, 0, a.seqlen).narrow(3, 0, a.head_dim), c10::scalar_to_tensor(scale));
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_out_in, const at::Tensor& query_in,
@@ -231,19 +246,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   dsum = at::Tensor();
   grad_query = at::empty_like(query_in);
   poison_if_enabled({grad_query});
-  cuda::DqConvertArgs convert{};
-  convert.accum = dq_accum.data_ptr<float>();
-  convert.batch = q.size(0);
-  convert.heads = q.size(1);
-  convert.seqlen = q.size(2);
-  convert.rows_per_head = rows;
-  convert.cols = dq_cols;
-  convert.out_batch = grad_query.stride(0);
-  convert.out_head = grad_query.stride(1);
-  convert.out_seq = grad_query.stride(2);
-  convert.head_dim = (int)q.size(3);
-  write_grad_query(convert, grad_query, dq_accum.narrow(2, 0, q.size(2)).narrow(3, 0, q.size(3)),
-                   kernel->dq_accum.unscaled ? p.scale : 1.0);
+  write_grad_query(dq_accum, grad_query, kernel->dq_accum.unscaled ? p.scale : 1.0);
   return {grad_query, grad_key, grad_value};
 }
 
@@ -514,18 +517,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
                            total_q, (int)dq_cols, stream);
   record_kernel(Pass::kBwd, KernelTrace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod, true});
   kernel->launch_varlen(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
-  cuda::DqConvertArgs convert{};  // (1, Hq, total_q) rows; grad_query is (total_q, Hq, D)
-  convert.accum = dq_accum.data_ptr<float>();
-  convert.batch = 1;
-  convert.heads = Hq;
-  convert.seqlen = total_q;
-  convert.rows_per_head = total_q;
-  convert.cols = dq_cols;
-  convert.out_batch = 0;
-  convert.out_head = grad_query.stride(1);
-  convert.out_seq = grad_query.stride(0);
-  convert.head_dim = (int)D;
-  write_grad_query(convert, grad_query, dq_accum.transpose(0, 1).narrow(2, 0, D),
+  // dq_accum holds (Hq, total_q) rows: one batch entry of Hq heads, as grad_query (total_q, Hq, D) viewed.
+  write_grad_query(dq_accum.unsqueeze(0), grad_query.transpose(0, 1).unsqueeze(0),
                    kernel->dq_accum.unscaled ? p.scale : 1.0);
   return {grad_query, grad_key, grad_value};
 }
