@@ -568,6 +568,7 @@ GPU_VARIANTS = {  # on top of GQA 8/2, head dim 128, a paged cache of 16-row pag
     "batch_idx": dict(batch_idx=True, page_size=None),
     "leftpad": dict(leftpad=True, page_size=None),
     "paged_leftpad": dict(leftpad=True, page_size=64),
+    "page24": dict(page_size=24),  # not a multiple of 16: the loader's lookup a row
     "rotary_interleaved": dict(rotary="interleaved"),
     "rotary_neox_partial": dict(rotary="neox", rotary_dim=64),
     "rotary_noncausal": dict(rotary="neox", causal=False),
@@ -596,6 +597,30 @@ def test_kvcache_variants_cuda(request, variant, mode, dtype):
         m["lens"] = [FULL - 1, FULL, FULL - m["Sn"] + 1][: m["B"]] + m["lens"][3:]
     inputs, kw = make_case(request, "cuda", dtype, Hq=8, Hkv=2, D=v.pop("head_dim"), capacity=GPU_CAP, **m, **v)
     run_case(inputs, kw)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [0, 3], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("page_size", [None, 16], ids=lambda p: f"page{p}" if p else "dense")
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kvcache_longest_first_cuda(request, monkeypatch, num_splits, page_size, head_dim):
+    """A decode step whose grid has more blocks than resident slots (200 entries x 8 kv heads) and entries of
+    different lengths, ties included: blocks take their entries longest first (decode_kernel.cuh). Checked against
+    the reference, and bitwise against the index order (FLASHCORE_DECODE_LONGEST_FIRST=0): which block computes an
+    entry must not change its result."""
+    B = 200
+    pick = torch.randint(0, 6, (B,), generator=make_generator(request)).tolist()
+    lens = [[0, 1, 333, 640, 999, FULL][i] for i in pick]
+    inputs, kw = make_case(request, "cuda", torch.bfloat16, B=B, Sq=1, Hq=32, Hkv=8, D=head_dim, capacity=GPU_CAP,
+                           lens=lens, page_size=page_size, causal=True, num_splits=num_splits)
+    out, lse, *_ = run_case(inputs, kw)
+    assert "longest-first" in flashcore.last_kernel("fwd")
+    monkeypatch.setenv("FLASHCORE_DECODE_LONGEST_FIRST", "0")
+    q, k_cache, v_cache = inputs
+    out_index_order, lse_index_order = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), **kw)
+    assert "longest-first" not in flashcore.last_kernel("fwd")
+    assert torch.equal(out, out_index_order) and torch.equal(lse, lse_index_order)
 
 
 PREFILL_MODE = dict(B=3, Sq=96, Sn=96, lens=[0, 200, FULL - 96])

@@ -30,6 +30,7 @@ std::string last_kernel(Pass pass) {
   if (t.compact) s += " compact";
   if (t.score_mod) s += " mod";
   if (t.varlen) s += " varlen";
+  if (t.longest_first) s += " longest-first";
   return s;
 }
 

@@ -68,6 +68,7 @@ struct DecodeParams {
   FwdParams f;
   KvCacheParams kv;
   int num_splits = 1;
+  bool longest_first = false;  // blocks take batch entries longest first (decode_kernel.cuh, entry_of_rank)
   // num_splits > 1: each split's normalized partial output (num_splits, batch, heads_q, seqlen_q, head_dim) and
   // log-sum-exp (num_splits, batch, heads_q, seqlen_q), float32, merged by the combine kernel.
   float* o_partial = nullptr;

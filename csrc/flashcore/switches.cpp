@@ -55,6 +55,11 @@ bool varlen_schedule_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+bool decode_longest_first_enabled() {
+  const char* v = env("FLASHCORE_DECODE_LONGEST_FIRST");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 int decode_tma_forced() {
   const char* v = env("FLASHCORE_DECODE_TMA");
   if (v == nullptr) return -1;

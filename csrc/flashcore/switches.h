@@ -13,6 +13,8 @@
 //                                               CPU always validates them)
 //   FLASHCORE_VARLEN_SCHEDULE=0                 run a varlen backward's sequences in their given order on a grid of
 //                                               max_seqlen_k's blocks each, not longest first on a packed grid (A/B)
+//   FLASHCORE_DECODE_LONGEST_FIRST=0            the KV-cache kernel's blocks take their batch entries in index
+//                                               order, not longest first (A/B)
 //   FLASHCORE_DECODE_TMA=0|1                    the KV-cache kernel's loader on Hopper: 0 cp.async everywhere, 1 TMA
 //                                               wherever TMA can address the cache (default: decode_launch.cu's
 //                                               choice, TMA for paged caches where it measured faster)
@@ -30,6 +32,7 @@ bool poison_outputs();
 bool cpu_isa_forced_portable();
 bool check_varlen_offsets();
 bool varlen_schedule_enabled();
+bool decode_longest_first_enabled();
 int decode_tma_forced();      // -1 when not forced, else 0 or 1; throws on a malformed value
 
 }  // namespace flashcore

@@ -609,6 +609,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cuda(
   const bool bf16 = query.scalar_type() == at::kBFloat16;
   const decode::DecodePlan plan = decode::plan_decode(p, (int)args.num_splits, bf16, prop);
   p.num_splits = plan.splits;
+  p.longest_first = plan.longest_first;
   at::Tensor o_partial, lse_partial;
   if (plan.splits > 1) {
     const int64_t rows = p.f.batch * p.f.heads_q * p.f.seqlen_q;
@@ -617,7 +618,9 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cuda(
     p.o_partial = o_partial.data_ptr<float>();
     p.lse_partial = lse_partial.data_ptr<float>();
   }
-  record_kernel(Pass::kFwd, KernelTrace{plan.tma ? "decode tma" : "decode", plan.head_dim_tile, 0, plan.splits});
+  KernelTrace trace{plan.tma ? "decode tma" : "decode", plan.head_dim_tile, 0, plan.splits};
+  trace.longest_first = plan.longest_first;
+  record_kernel(Pass::kFwd, trace);
   decode::launch_decode(p, plan, bf16, at::cuda::getCurrentCUDAStream());
   return {out, lse};
 }

@@ -7,6 +7,9 @@
 
 namespace flashcore::decode {
 
+// Batches of up to this many entries are ranked by work for the longest-first order (decode_kernel.cuh).
+constexpr int kMaxRankedEntries = 256;
+
 struct DecodePlan {
   int head_dim_tile = 0;  // 64, 128 or 256
   bool rows_mode = false;  // more than 16 packed query rows per (entry, kv head): warps own rows, not key quarters
@@ -15,6 +18,8 @@ struct DecodePlan {
   int smem_bytes = 0;
   bool tma = false;        // Hopper: K/V tiles loaded by TMA (decode_kernel.cuh), else by cp.async
   int box_rows = 64;       // TMA: keys a box (a dense cache 64; a paged one a divisor of its page size)
+  bool longest_first = false;  // blocks take batch entries longest first (decode steps of 2 .. kMaxRankedEntries
+                               // entries whose grid has more than one wave)
 };
 
 // The kernel variant and the key splits of a call. The TMA loader is taken on Hopper (the kernel's code built for

@@ -1,7 +1,8 @@
 // The KV-cache ("decode") kernel, mma.sync (sm_80 .. sm_90): new query rows against a dense or paged cache
 // (paged_kv.h), split over the keys so that a small batch still fills the GPU (flash-decoding).
 //
-// Grid: x = (batch entry, kv head), y = key split, z = block of packed query rows. Rows are packed GQA-first:
+// Grid: x = (batch entry, kv head), y = key split, z = block of packed query rows; a decode step of several waves
+// takes its entries longest first (entry_of_rank). Rows are packed GQA-first:
 // row R of an entry's kv head is query position R / group of query head kv_head * group + R % group, so the
 // group's heads share each K/V tile read from memory (one read per kv head, not per query head).
 // Two warp layouts (kRowsMode): a decode step has few rows (group x new tokens <= 16), so the four warps share one
@@ -27,6 +28,7 @@
 #include "../ptx/math.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../sm80/fwd_sm80_mainloop.cuh"
+#include "decode.h"
 #include "decode_loaders.cuh"
 
 namespace flashcore::decode {
@@ -211,6 +213,48 @@ __device__ __forceinline__ void store_block_result(const DecodeParams& p, float*
   }
 }
 
+// Longest entries first. The hardware starts a grid's blocks in about blockIdx order, so where the grid has more
+// blocks than resident slots and the entries differ in length, an entry taken late and long runs on alone at the
+// end while the memory idles. Blocks then take their entries by rank of work (key tiles, longest first, ties by
+// index, so equal lengths keep the identity order): the longest-processing-time rule. The host asks for it
+// (DecodeParams::longest_first) only for decode steps whose grid has more than one wave, of up to
+// kMaxRankedEntries entries (decode.h). Every block ranks the batch itself: one round of loads of the lengths,
+// then, unless all are equal, batch / 4 vector reads of shared memory a thread. Cost and gain: docs/PERFORMANCE.md.
+__device__ __forceinline__ int entry_key_tiles(const DecodeParams& p, int e, int block_n) {
+  const Band band = p.f.mask.band(p.f.seqlen_q, kv_seq(p.kv, e).seqlen_k);
+  return (int)Band::tiles(band.keys_of_queries(0, p.f.seqlen_q), block_n).size();
+}
+
+template <int kBlockN>
+__device__ __noinline__ int entry_of_rank(const DecodeParams& p, int rank) {
+  __shared__ __align__(16) int work[kMaxRankedEntries];
+  __shared__ int found;
+  const int batch = (int)p.f.batch, padded = (batch + 3) & ~3;
+  const int work0 = entry_key_tiles(p, 0, kBlockN);
+  if (threadIdx.x == 0) found = rank;  // overwritten below; never read unset
+  bool uniform = true;
+  for (int e = threadIdx.x; e < padded; e += blockDim.x) {
+    const int w = e < batch ? entry_key_tiles(p, e, kBlockN) : -1;  // -1: padding, never ahead of an entry
+    work[e] = w;
+    uniform &= e >= batch || w == work0;
+  }
+  if (__syncthreads_and(uniform)) return rank;  // equal work: the identity order (the barrier publishes `work`)
+  for (int e = threadIdx.x; e < batch; e += blockDim.x) {
+    const int w = work[e];
+    int ahead[4] = {0, 0, 0, 0};
+    for (int o = 0; o < padded; o += 4) {
+      const int4 wo = *reinterpret_cast<const int4*>(&work[o]);
+      ahead[0] += wo.x > w || (wo.x == w && o < e);
+      ahead[1] += wo.y > w || (wo.y == w && o + 1 < e);
+      ahead[2] += wo.z > w || (wo.z == w && o + 2 < e);
+      ahead[3] += wo.w > w || (wo.w == w && o + 3 < e);
+    }
+    if (ahead[0] + ahead[1] + ahead[2] + ahead[3] == rank) found = e;  // ranks are a permutation: one writer
+  }
+  __syncthreads();
+  return found;
+}
+
 // One block of the grid described at the top; maps are read by the TMA loader only.
 template <typename Traits>
 __device__ __forceinline__ void decode_block(const DecodeParams& p, const DecodeTmaMaps& maps) {
@@ -237,7 +281,13 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
   uint32_t kvh_u = 0;
-  const int b = (int)f.heads_kv_div.divmod(blockIdx.x, kvh_u);
+  const int entry_rank = (int)f.heads_kv_div.divmod(blockIdx.x, kvh_u);
+  int b = entry_rank;
+  if constexpr (!Traits::kRowsMode) {  // decode steps (a chunked prefill's grid keeps the index order)
+    // The batch bound again here: it keeps entry_of_rank's shared array in range whatever the host asked.
+    if (p.longest_first && f.batch > 1 && f.batch <= kMaxRankedEntries)
+      b = entry_of_rank<Traits::kBlockN>(p, entry_rank);
+  }
   const int kvh = (int)kvh_u;
   const int split = blockIdx.y;
   const int group = (int)f.group, seqlen_q = (int)f.seqlen_q, head_dim = (int)f.head_dim;

@@ -116,13 +116,22 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   plan.m_blocks = (int)((rows + v.block_m - 1) / v.block_m);
   TORCH_CHECK(plan.m_blocks <= 65535, "flashcore: seqlen_q x (heads_q / heads_kv) = ", rows,
               " query rows per kv head exceed the KV-cache kernel's grid");
-  if (requested > 0) {
-    plan.splits = requested;
-    return plan;
-  }
   int per_sm = 0;
   cuda::set_max_dynamic_smem_once(v.kernel, v.smem_bytes, *v.smem_configured);
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, v.kernel, 128, v.smem_bytes));
+  const double blocks = (double)p.f.batch * p.f.heads_kv * plan.m_blocks;
+  // Longest entries first (decode_kernel.cuh) where blocks wait for slots; a grid of one wave starts every block
+  // at once and would only pay for the ranking.
+  auto set_order = [&] {
+    plan.longest_first = !plan.rows_mode && p.f.batch > 1 && p.f.batch <= kMaxRankedEntries &&
+                         decode_longest_first_enabled() &&
+                         blocks * plan.splits > (double)std::max(1, per_sm) * prop.multiProcessorCount;
+  };
+  if (requested > 0) {
+    plan.splits = requested;
+    set_order();
+    return plan;
+  }
   // Block slots of a wave. A decode step's block streams a dense cache or pages of 64 keys or more through the
   // cp.async loader at full rate alone on an SM, so its grid counts one slot an SM and takes the fewest splits
   // (fewer partials to merge; H100, µs: 8 x 8k 93.5 with 2 splits vs 96.3 with 4, pages of 256 95.8 vs 97.6,
@@ -132,7 +141,6 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   const bool alone_at_full_rate =
       !plan.rows_mode && !plan.tma && (!p.kv.paged() || p.kv.page_size >= 64);
   const double slots = (alone_at_full_rate ? 1 : std::max(1, per_sm)) * (double)prop.multiProcessorCount;
-  const double blocks = (double)p.f.batch * p.f.heads_kv * plan.m_blocks;
   const int64_t tiles = (p.kv.capacity + 63) / 64;  // of the longest possible entry
   // Splits of at least 4 tiles, a bounded workspace (num_splits x rows x head_dim floats), at most 128.
   const double rows_total = (double)p.f.batch * p.f.heads_q * p.f.seqlen_q;
@@ -149,6 +157,7 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
       plan.splits = s;
       break;
     }
+  set_order();
   return plan;
 }
 
