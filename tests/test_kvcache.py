@@ -633,24 +633,34 @@ PREFILL_VARIANTS = ["plain", "noncausal", "window", "window_both", "window_causa
 @requires_cuda
 @pytest.mark.parametrize("variant", PREFILL_VARIANTS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-def test_kvcache_prefill_cuda(request, variant, dtype):
-    """Chunked prefill of more than 64 new tokens against a dense cache: on Hopper the Hopper varlen forward runs it
-    (each entry a sequence of cache_seqlens[b] keys of its cache row); the same semantics as the decode kernel's,
-    with every score variant, an empty entry, a full one and the append of the new tokens."""
-    v = {"causal": True, "page_size": None, **GPU_VARIANTS.get(variant, {})}
+@pytest.mark.parametrize("page_size", [None, 16, 48, 256], ids=lambda p: f"page{p}" if p else "dense")
+def test_kvcache_prefill_cuda(request, variant, dtype, page_size):
+    """Chunked prefill of more than 64 new tokens against a dense or paged cache: on Hopper the Hopper varlen forward
+    runs it (each entry a sequence of cache_seqlens[b] keys of its cache row, or of its pages through the block
+    table: pages scattered over a larger pool, 48 keys a page not a power of two); the same semantics as the decode
+    kernel's, with every score variant, an empty entry, a full one and the append of the new tokens."""
+    v = {"causal": True, **GPU_VARIANTS.get(variant, {}), "page_size": page_size}
+    mode = PREFILL_MODE if page_size is None or page_size % 64 == 0 else PREFILL_MODE_SMALL_PAGES
     inputs, kw = make_case(request, "cuda", dtype, Hq=PREFILL_HEADS[0], Hkv=PREFILL_HEADS[1], D=128,
-                           capacity=GPU_CAP, **PREFILL_MODE, **v)
+                           capacity=GPU_CAP, **mode, **v)
     run_case(inputs, kw)
     ran = flashcore.last_kernel("fwd")
-    assert ran.startswith("sm90") and "varlen" in ran if prefill_on_varlen() else ran.startswith("decode"), ran
+    on_varlen = prefill_on_varlen(page_size, mode["Sq"])
+    assert ran.startswith("sm90") and "varlen" in ran if on_varlen else ran.startswith("decode"), ran
 
 
-def prefill_on_varlen():
-    """Whether PREFILL_MODE runs on the Hopper varlen forward here (attention_cuda.cpp: Hopper, and a grid of
-    batch x query heads x 128-row blocks that fills the SMs)."""
+# Pages under 64 keys take the Hopper kernel from 128 new tokens (attention_cuda.cpp, kPagedSmallPagesMinTokens).
+PREFILL_MODE_SMALL_PAGES = dict(B=3, Sq=128, Sn=128, lens=[0, 200, FULL - 128])
+
+
+def prefill_on_varlen(page_size=None, new_tokens=PREFILL_MODE["Sq"]):
+    """Whether a PREFILL_HEADS prefill runs on the Hopper varlen forward here (attention_cuda.cpp: Hopper, a grid of
+    batch x query heads x 128-row blocks that fills the SMs, and paged caches with pages of a multiple of 64 keys,
+    or of 16 from 128 new tokens)."""
     props = torch.cuda.get_device_properties(0)
-    blocks = PREFILL_MODE["B"] * PREFILL_HEADS[0] * -(-PREFILL_MODE["Sq"] // 128)
-    return torch.cuda.get_device_capability() == (9, 0) and blocks >= props.multi_processor_count
+    blocks = PREFILL_MODE["B"] * PREFILL_HEADS[0] * -(-new_tokens // 128)
+    pages_fit = page_size is None or page_size % 64 == 0 or (page_size % 16 == 0 and new_tokens >= 128)
+    return torch.cuda.get_device_capability() == (9, 0) and blocks >= props.multi_processor_count and pages_fit
 
 
 @pytest.mark.gpu
@@ -718,13 +728,34 @@ def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, m
     v_cache[~valid] = float("nan")
     run_case(inputs, kw, check_cache=False)
     hopper, ran = torch.cuda.get_device_capability() == (9, 0), flashcore.last_kernel("fwd")
-    if mode == "prefill" and page_size is None:  # on Hopper the varlen forward, no decode loader
-        assert ("varlen" in ran) == prefill_on_varlen(), ran
+    routed = mode == "prefill" and prefill_on_varlen(page_size, m["Sq"])  # on Hopper the varlen forward
+    if mode == "prefill" and (page_size is None or routed):
+        assert ("varlen" in ran) == routed, ran
     elif "varlen" in ran:
         raise AssertionError(ran)
     elif loader != "default" or page_size is None:  # a paged cache's default: TMA only on H200-class memory
         want_tma = hopper and loader == "tma"
         assert ("tma" in ran) == want_tma, ran
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("page_size", [64, 16])
+def test_kvcache_prefill_bad_pages_stay_in_bounds_cuda(request, page_size):
+    """A paged prefill on the Hopper varlen forward (where it runs there) with page ids out of range and lengths
+    past the capacity or negative: TMA zero-fills what lies outside the cache, so nothing is read outside it
+    (compute-sanitizer runs this test separately); the outputs are finite."""
+    mode = PREFILL_MODE_SMALL_PAGES
+    inputs, kw = make_case(request, "cuda", torch.bfloat16, Hq=PREFILL_HEADS[0], Hkv=PREFILL_HEADS[1], D=128,
+                           capacity=GPU_CAP, page_size=page_size, causal=True, **dict(mode, Sn=0))
+    q, kc, vc = inputs
+    bt = kw["block_table"].clone()
+    bt[0, 0], bt[1, -1], bt[2, 1] = -1, 10**6, 2**31 - 1
+    lens = torch.tensor([10**6, -7, 2**31 - 1], dtype=torch.int32, device="cuda")
+    out, lse = flash_attn_with_kvcache(q, kc, vc, **dict(kw, block_table=bt, cache_seqlens=lens))
+    torch.cuda.synchronize()
+    assert ("varlen" in flashcore.last_kernel("fwd")) == prefill_on_varlen(page_size, mode["Sq"])
+    assert torch.isfinite(out).all() and not torch.isnan(lse).any()
 
 
 @pytest.mark.gpu

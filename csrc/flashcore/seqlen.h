@@ -38,6 +38,15 @@ struct VarlenParams {
   int64_t grid_tiles = 0;
   int64_t total_q = 0;                    // rows of the packed q (and out, lse's last dim)
   int64_t total_k = 0;                    // rows of the packed k and v
+  // Paged keys (a KV cache's chunked prefill on the Hopper forward, paged_kv.h), or null: k/v are
+  // (num_pages, page_size, heads_kv, dim) caches and key j of sequence b is row j % page_size of page
+  // block_table[b * block_table_stride + j / page_size]; the sequence's length is seqused_k[b] (cu_seqlens_k is not
+  // read), clamped to max_seqlen_k (the capacity). Page numbers are not trusted: the loads address pages through
+  // TMA, which zero-fills what lies outside the cache.
+  const int32_t* block_table = nullptr;
+  int64_t block_table_stride = 0;
+  int page_size = 0;
+  int page_box_rows = 0;                  // keys of one TMA box: a power of two dividing page_size and the tile
 
   FLASHCORE_HOST_DEVICE bool enabled() const { return cu_seqlens_q != nullptr; }
   // The batch entry (sequence) of grid slot `slot`.
@@ -83,6 +92,10 @@ FLASHCORE_HOST_DEVICE SeqInfo varlen_seq_info(const VarlenParams& v, int64_t b, 
   SeqInfo s;
   s.q_begin = clamp64(v.cu_seqlens_q[b], 0, v.total_q);
   s.seqlen_q = clamp64(clamp64(v.cu_seqlens_q[b + 1], s.q_begin, v.total_q) - s.q_begin, 0, max_seqlen_q);
+  if (v.block_table != nullptr) {  // paged keys: begin 0 in the sequence's own pages
+    s.seqlen_k = clamp64(v.seqused_k[b], 0, max_seqlen_k);
+    return s;
+  }
   s.k_begin = clamp64(v.cu_seqlens_k[b], 0, v.total_k);
   int64_t len_k = clamp64(v.cu_seqlens_k[b + 1], s.k_begin, v.total_k) - s.k_begin;
   if (v.seqused_k != nullptr) len_k = clamp64(v.seqused_k[b], 0, len_k);

@@ -355,8 +355,17 @@ void check_varlen_grid(const VarlenArgs& a, int64_t heads, int64_t max_seqlen, c
               " x ", heads, " x ", blocks, ") exceeds the CUDA grid limit");
 }
 
+// A KV cache's pages for the Hopper varlen forward (seqlen.h: VarlenParams::block_table): key and value are the
+// paged caches viewed as packed (num_pages x page_size, heads_kv, dim) rows, seqused_k the entries' lengths.
+struct PagedKeys {
+  at::Tensor block_table;  // int32 (batch, max_pages), rows contiguous
+  int64_t page_size;
+};
+
 // short_rows_on_sm90: the Hopper kernel even for max_seqlen_q <= kVarlenSm90MinRows (a KV cache's chunked prefill,
-// whose few sequences each walk a long cache).
+// whose few sequences each walk a long cache). paged: keys through a block table, on the Hopper kernel only (the
+// caller has checked that select_varlen_fwd_kernel picks it) and with the KV-cache op's input checks, not these
+// (cu_seqlens_k is not read).
 std::tuple<at::Tensor, at::Tensor> run_varlen_fwd(const at::Tensor& query_in, const at::Tensor& key_in,
                                                   const at::Tensor& value_in, const at::Tensor& cu_seqlens_q,
                                                   const at::Tensor& cu_seqlens_k, int64_t max_seqlen_q,
@@ -364,11 +373,12 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_fwd(const at::Tensor& query_in, co
                                                   int64_t window_left, int64_t window_right, double softcap,
                                                   const std::optional<at::Tensor>& sinks,
                                                   const std::optional<at::Tensor>& alibi_slopes,
-                                                  const std::optional<at::Tensor>& seqused_k, bool short_rows_on_sm90) {
+                                                  const std::optional<at::Tensor>& seqused_k, bool short_rows_on_sm90,
+                                                  const PagedKeys* paged = nullptr) {
   const AttentionOptions opts = make_options(softmax_scale, is_causal, /*causal_bottom_right=*/true, window_left,
                                              window_right, softcap, sinks, alibi_slopes);
   const VarlenArgs args = make_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k);
-  check_varlen_fwd_inputs(query_in, key_in, value_in, args, opts, kCudaLimits);
+  if (paged == nullptr) check_varlen_fwd_inputs(query_in, key_in, value_in, args, opts, kCudaLimits);
   const c10::cuda::CUDAGuard guard(query_in.device());
   const cudaDeviceProp& prop = device_properties(query_in);
   check_varlen_grid(args, query_in.size(1), max_seqlen_q, "query");
@@ -377,10 +387,17 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_fwd(const at::Tensor& query_in, co
   const at::Tensor query = packed_aligned_for_16b_loads(query_in);
   const at::Tensor key = packed_aligned_for_16b_loads(key_in);
   const at::Tensor value = packed_aligned_for_16b_loads(value_in);
-  const FwdParams p = make_varlen_fwd_params(query, key, value, out, lse, args, opts);
+  FwdParams p = make_varlen_fwd_params(query, key, value, out, lse, args, opts);
+  if (paged != nullptr) {
+    p.varlen.block_table = paged->block_table.data_ptr<int32_t>();
+    p.varlen.block_table_stride = paged->block_table.stride(0);
+    p.varlen.page_size = (int)paged->page_size;
+  }
   if (varlen_fwd_is_trivial(p, out)) return {out, lse};
   const cuda::FwdKernelEntry& kernel = select_varlen_fwd_kernel(query, key, value, prop, max_seqlen_q,
                                                                 transforms_scores(opts), short_rows_on_sm90);
+  TORCH_CHECK(paged == nullptr || std::string(kernel.family) == "sm90", "flashcore: internal error: paged keys "
+              "on the ", kernel.family, " varlen kernel");
   record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile, 0, 1, false, kernel.score_mod, true});
   kernel.launch_varlen(p, at::cuda::getCurrentCUDAStream());  // the sm90 launcher refines the record
   return {out, lse};
@@ -523,21 +540,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   return {grad_query, grad_key, grad_value};
 }
 
-// Chunked prefill against a dense cache on Hopper: the Hopper varlen forward's wgmma kernel instead of the decode
-// kernel's mma.sync rows, which re-read a KV head's cache for every 64 packed query rows (128 new tokens at 8 x 8k:
-// 219 against 708 us, docs/PERFORMANCE.md). Entry b is sequence b of a varlen batch whose keys are cache row b
-// (cu_seqlens_k: multiples of the capacity), of which seqused_k = cache_seqlens[b] are used: the same clamping,
-// causal alignment, window, ALiBi offset and empty-entry outputs as the decode kernel's, and the slots past an
-// entry's length are never read into the output (the varlen kernel zeroes V past a sequence's used keys). Taken
-// from kPrefillOnVarlenMinTokens new tokens a sequence where the grid fills the SMs, without a page table,
-// cache_batch_idx or left pad or forced split count, for caches whose first rows view as packed (rows, heads,
-// dim) tensors; returns false (nothing done) otherwise.
+// Chunked prefill on Hopper: the Hopper varlen forward's wgmma kernel instead of the decode kernel's mma.sync rows,
+// which re-read a KV head's cache for every 64 packed query rows (128 new tokens at 8 x 8k: 219 against 708 us,
+// docs/PERFORMANCE.md). Entry b is sequence b of a varlen batch whose keys are cache row b (cu_seqlens_k: multiples
+// of the capacity) or, paged, its pages through the block table (VarlenParams::block_table), of which seqused_k =
+// cache_seqlens[b] are used: the same clamping, causal alignment, window, ALiBi offset and empty-entry outputs as
+// the decode kernel's, and the slots past an entry's length are never read into the output (the varlen kernel
+// zeroes V past a sequence's used keys; TMA zero-fills pages past it). Taken from kPrefillOnVarlenMinTokens new
+// tokens a sequence where the grid fills the SMs, without cache_batch_idx, left pad or forced split count, for
+// caches whose rows (or pages) view as packed (rows, heads, dim) tensors and, paged, pages of a multiple of 16 keys
+// on the Hopper kernel; returns false (nothing done) otherwise.
 // From how many new tokens a sequence, and for grids of how many blocks: the decode kernel's cost grows with each 64
 // packed rows (query heads of a KV head x new tokens), the Hopper kernel's is about one 128-row block a query head
 // up to 128 tokens, and it has no key split for a small grid. H100, 8 x 8k, Hq 32 / Hkv 8, us decode / Hopper:
 // 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64 353.0 / 214.1; 1 x 128k (32 blocks) with 64
 // tokens 683.0 / 1378.5.
 constexpr int64_t kPrefillOnVarlenMinTokens = 33;
+// Paged caches with pages of 16 or 48 keys: the Hopper kernel's producer issues up to 32 boxes and 8 block-table
+// reads a 128-key tile, which made it slower than the decode kernel at 64 tokens and faster at 128 (H100, 8 x 8k,
+// pages of 16, us Hopper / decode: 64 tokens 598.7 / 381.1, 128 tokens 597.0 / 754.9).
+constexpr int64_t kPagedSmallPagesMinTokens = 128;
 
 bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const KvCacheArgs& args, const AttentionOptions& opts, const cudaDeviceProp& prop,
@@ -545,25 +567,41 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
                                const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes,
                                at::Tensor& out, at::Tensor& lse) {
   const int64_t B = query.size(0), Sq = query.size(1), Hq = query.size(2), D = query.size(3);
-  const int64_t capacity = key_cache.size(1);
-  if (!is_hopper(prop) || args.paged() || args.cache_batch_idx.defined() || args.cache_leftpad.defined() ||
-      args.num_splits > 0 || Sq < kPrefillOnVarlenMinTokens || capacity == 0 || key_cache.size(0) < B ||
+  const bool paged = args.paged();
+  const int64_t rows_per_cache_row = key_cache.size(1);  // a page's keys, or a dense cache row's
+  const int64_t capacity = paged ? args.block_table.size(1) * rows_per_cache_row : rows_per_cache_row;
+  // Paged: pages of a multiple of 16 keys, so that the producer's TMA boxes (16 keys or more) never cross a page;
+  // pages under 64 keys (up to 8 boxes a span, one block-table read each, all from the producer's one thread) only
+  // from kPagedSmallPagesMinTokens tokens.
+  const bool pages_fit = rows_per_cache_row % 16 == 0 &&
+                         (rows_per_cache_row % 64 == 0 || Sq >= kPagedSmallPagesMinTokens);
+  if (!is_hopper(prop) || args.cache_batch_idx.defined() || args.cache_leftpad.defined() || args.num_splits > 0 ||
+      Sq < kPrefillOnVarlenMinTokens || capacity == 0 || (paged ? !pages_fit : key_cache.size(0) < B) ||
       (B + 1) * std::max(Sq, capacity) > std::numeric_limits<int32_t>::max() || forced_fwd_family() == "sm80" ||
       B * Hq * ((Sq + 127) / 128) < prop.multiProcessorCount)
     return false;
+  // The caches as packed (rows, heads_kv, dim) tensors: a dense cache's first B rows back to back (entry b's keys
+  // from row b x capacity), or every page of a paged one.
+  const int64_t cache_rows = paged ? key_cache.size(0) : B;
   auto packed = [&](const at::Tensor& cache) -> std::optional<at::Tensor> {
-    const at::Tensor rows = cache.narrow(0, 0, B);
-    if (B > 1 && rows.stride(0) != capacity * rows.stride(1)) return std::nullopt;
-    return rows.as_strided({B * capacity, rows.size(2), D}, {rows.stride(1), rows.stride(2), rows.stride(3)});
+    const at::Tensor rows = cache.narrow(0, 0, cache_rows);
+    if (cache_rows > 1 && rows.stride(0) != rows_per_cache_row * rows.stride(1)) return std::nullopt;
+    return rows.as_strided({cache_rows * rows_per_cache_row, rows.size(2), D},
+                           {rows.stride(1), rows.stride(2), rows.stride(3)});
   };
   const std::optional<at::Tensor> k = packed(key_cache), v = packed(value_cache);
   if (!k || !v) return false;
+  const at::Tensor q = query.reshape({B * Sq, Hq, D});
+  if (paged && std::string(select_varlen_fwd_kernel(q, *k, *v, prop, Sq, transforms_scores(opts), true).family) !=
+                   "sm90")
+    return false;
   const auto i32 = query.options().dtype(at::kInt);
   const at::Tensor cu_q = at::arange(0, (B + 1) * Sq, Sq, i32);
-  const at::Tensor cu_k = at::arange(0, (B + 1) * capacity, capacity, i32);
-  auto [o, l] = run_varlen_fwd(query.reshape({B * Sq, Hq, D}), *k, *v, cu_q, cu_k, Sq, capacity, softmax_scale,
-                               opts.is_causal, window_left, window_right, opts.softcap, sinks, alibi_slopes,
-                               args.cache_seqlens, /*short_rows_on_sm90=*/true);
+  const at::Tensor cu_k = paged ? cu_q : at::arange(0, (B + 1) * capacity, capacity, i32);  // paged: not read
+  const PagedKeys pages{args.block_table, rows_per_cache_row};
+  auto [o, l] = run_varlen_fwd(q, *k, *v, cu_q, cu_k, Sq, capacity, softmax_scale, opts.is_causal, window_left,
+                               window_right, opts.softcap, sinks, alibi_slopes, args.cache_seqlens,
+                               /*short_rows_on_sm90=*/true, paged ? &pages : nullptr);
   // The output in the layout the op promises (out's: like the query's) without a copy where it is that already;
   // lse from the varlen layout (Hq, B * Sq) to (B, Hq, Sq).
   const at::Tensor o_bshd = o.view({B, Sq, Hq, D});

@@ -177,17 +177,26 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   const int64_t total_q = p.varlen.total_q, total_k = p.varlen.total_k;
   const CUtensorMap tm_q = make_tensor_map_bhsd(p.q, p.q_stride, 1, p.heads_q, total_q, p.head_dim, Traits::kBlockM,
                                                 kBf16);
-  const CUtensorMap tm_k = make_tensor_map_bhsd(p.k, p.k_stride, 1, p.heads_kv, total_k, p.head_dim, Traits::kBlockN,
-                                                kBf16);
-  const CUtensorMap tm_v = make_tensor_map_bhsd(p.v, p.v_stride, 1, p.heads_kv, total_k, p.head_dim, Traits::kBlockN,
-                                                kBf16);
+  // Paged keys (seqlen.h): k and v as (pages, heads_kv, page_size, dim), boxes of a power of two of keys dividing
+  // both the page and the tile (a box never crosses a page; the host takes pages of a multiple of 16 keys).
+  FwdParams params = p;
+  const bool paged = p.varlen.block_table != nullptr;
+  const int64_t page = paged ? p.varlen.page_size : total_k;
+  const int64_t pages = paged ? total_k / page : 1;
+  const int box = paged ? (int)std::min<int64_t>(page & -page, Traits::kBlockN & -Traits::kBlockN) : Traits::kBlockN;
+  params.varlen.page_box_rows = box;
+  auto paged_strides = [&](const Strides& s) { return paged ? Strides{page * s.seq, s.head, s.seq} : s; };
+  const CUtensorMap tm_k = make_tensor_map_bhsd(p.k, paged_strides(p.k_stride), pages, p.heads_kv, page, p.head_dim,
+                                                box, kBf16);
+  const CUtensorMap tm_v = make_tensor_map_bhsd(p.v, paged_strides(p.v_stride), pages, p.heads_kv, page, p.head_dim,
+                                                box, kBf16);
   const int num_m_blocks = (int)((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   const int64_t num_tiles = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked <= INT32_MAX
   record_kernel(Pass::kFwd, KernelTrace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, 1, false, kScoreMod, true});
   static cuda::PdlSupport pdl;
   // tm_o: unused by the varlen epilogue (bounded stores), passed to fill the parameter.
   cuda::launch_kernel(kernel, pdl, dim3((unsigned)num_tiles), dim3(Traits::kNThreads), Traits::kSmemBytes, stream, 1u,
-                      p, tm_q, tm_k, tm_v, tm_q, num_m_blocks, (int)num_tiles);
+                      params, tm_q, tm_k, tm_v, tm_q, num_m_blocks, (int)num_tiles);
 }
 
 // kScoreMod: the score-mod variants (FwdSm90Traits), built for two block widths only (one warpgroup, with key

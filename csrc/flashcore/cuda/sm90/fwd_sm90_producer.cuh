@@ -11,11 +11,38 @@
 
 #include "../common/fwd_block.cuh"
 #include "../ptx/mbarrier.cuh"
+#include "../ptx/prefetch.cuh"
 #include "../ptx/tma.cuh"
 #include "fwd_sm90_traits.cuh"
 
 namespace flashcore::sm90 {
 
+// Varlen with paged keys (seqlen.h: VarlenParams::block_table): the kBlockN keys from `key0` of sequence `seq` into
+// one K or V stage, as boxes of page_box_rows keys, each inside one page at (row in page, page). Keys past the
+// sequence get page -1 and pages outside the cache read nothing: TMA zero-fills both and counts the full box, so the
+// stage's expect_tx stays the whole tile. The block-table reads of a tile share a cache line or two, and the next
+// tile's (the walk goes down) is prefetched into L1 while this one's boxes fly.
+template <typename Traits>
+__device__ __forceinline__ void load_paged_keys(const FwdParams& p, typename Traits::Element* stage,
+                                                const CUtensorMap* tm, uint64_t* full, int seq, int key0,
+                                                int seqlen_k, int h_kv) {
+  const VarlenParams& v = p.varlen;
+  const int32_t* table = v.block_table + (int64_t)seq * v.block_table_stride;
+  const int box = v.page_box_rows;
+  for (int r = 0; r < Traits::kBlockN; r += box) {
+    const int key = key0 + r;
+    int page = -1, row = 0;
+    if (key < seqlen_k) {
+      const int slot = key / v.page_size;
+      page = table[slot];
+      row = key - slot * v.page_size;
+    }
+#pragma unroll
+    for (int span = 0; span < Traits::kSpans; ++span)
+      ptx::tma_load_4d(stage + span * Traits::kBlockN * 64 + r * 64, tm, full, span * 64, row, h_kv, page);
+  }
+  if (key0 > 0) ptx::prefetch_l1(table + (key0 - Traits::kBlockN) / v.page_size);
+}
 
 template <typename Traits>
 __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::FwdBlock<typename Traits::Element>& blk,
@@ -44,12 +71,20 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
     const int row0 = k_row0 + (blk.n_blocks - 1 - it) * Traits::kBlockN;
     const bool reused = use >= Traits::kStages;
 
+    // Varlen with paged keys: boxes through the block table (load_paged_keys), K and V alike.
+    const bool paged = Traits::kVarlen && p.varlen.block_table != nullptr;
+    const int key0 = (blk.n_blocks - 1 - it) * Traits::kBlockN;
+
     if (reused) ptx::mbarrier_wait(&smem.k_empty[stage], parity);
     ptx::mbarrier_arrive_expect_tx(&smem.k_full[stage], Traits::kKVBytes);
+    if (paged) {
+      load_paged_keys<Traits>(p, smem.k_stage(stage), tm_k, &smem.k_full[stage], blk.b, key0, blk.seqlen_k, h_kv);
+    } else {
 #pragma unroll
-    for (int span = 0; span < Traits::kSpans; ++span)
-      ptx::tma_load_4d(smem.k_stage(stage) + span * Traits::kBlockN * 64, tm_k, &smem.k_full[stage], span * 64,
-                       row0, h_kv, b);
+      for (int span = 0; span < Traits::kSpans; ++span)
+        ptx::tma_load_4d(smem.k_stage(stage) + span * Traits::kBlockN * 64, tm_k, &smem.k_full[stage], span * 64,
+                         row0, h_kv, b);
+    }
     // Compact blocks: V of key tile it (and the next tile's K) go out once this tile's K has landed. TMA
     // interleaves the boxes in flight (docs/experiments/tma_ingest.cu: the first box lands later the more there
     // are), and a block that issued Q and a full ring of K/V tiles at once got its first K late; with at most two
@@ -59,10 +94,14 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
 
     if (reused) ptx::mbarrier_wait(&smem.v_empty[stage], parity);
     ptx::mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kKVBytes);
+    if (paged) {
+      load_paged_keys<Traits>(p, smem.v_stage(stage), tm_v, &smem.v_full[stage], blk.b, key0, blk.seqlen_k, h_kv);
+    } else {
 #pragma unroll
-    for (int span = 0; span < Traits::kSpans; ++span)
-      ptx::tma_load_4d(smem.v_stage(stage) + span * Traits::kBlockN * 64, tm_v, &smem.v_full[stage], span * 64,
-                       row0, h_kv, b);
+      for (int span = 0; span < Traits::kSpans; ++span)
+        ptx::tma_load_4d(smem.v_stage(stage) + span * Traits::kBlockN * 64, tm_v, &smem.v_full[stage], span * 64,
+                         row0, h_kv, b);
+    }
   }
 }
 
