@@ -649,17 +649,18 @@ def test_kvcache_prefill_cuda(request, variant, dtype, page_size):
     assert ran.startswith("sm90") and "varlen" in ran if on_varlen else ran.startswith("decode"), ran
 
 
-# Pages under 64 keys take the Hopper kernel from 128 new tokens (attention_cuda.cpp, kPagedSmallPagesMinTokens).
+# Pages under 64 keys take the Hopper kernel from 64 new tokens (attention_cuda.cpp, kPagedSmallPagesMinTokens); a
+# full 128-row block of new tokens here.
 PREFILL_MODE_SMALL_PAGES = dict(B=3, Sq=128, Sn=128, lens=[0, 200, FULL - 128])
 
 
 def prefill_on_varlen(page_size=None, new_tokens=PREFILL_MODE["Sq"]):
     """Whether a PREFILL_HEADS prefill runs on the Hopper varlen forward here (attention_cuda.cpp: Hopper, a grid of
     batch x query heads x 128-row blocks that fills the SMs, and paged caches with pages of a multiple of 64 keys,
-    or of 16 from 128 new tokens)."""
+    or of 16 from 64 new tokens)."""
     props = torch.cuda.get_device_properties(0)
     blocks = PREFILL_MODE["B"] * PREFILL_HEADS[0] * -(-new_tokens // 128)
-    pages_fit = page_size is None or page_size % 64 == 0 or (page_size % 16 == 0 and new_tokens >= 128)
+    pages_fit = page_size is None or page_size % 64 == 0 or (page_size % 16 == 0 and new_tokens >= 64)
     return torch.cuda.get_device_capability() == (9, 0) and blocks >= props.multi_processor_count and pages_fit
 
 

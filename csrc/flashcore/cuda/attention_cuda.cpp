@@ -556,10 +556,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
 // 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64 353.0 / 214.1; 1 x 128k (32 blocks) with 64
 // tokens 683.0 / 1378.5.
 constexpr int64_t kPrefillOnVarlenMinTokens = 33;
-// Paged caches with pages of 16 or 48 keys: the Hopper kernel's producer issues up to 32 boxes and 8 block-table
-// reads a 128-key tile, which made it slower than the decode kernel at 64 tokens and faster at 128 (H100, 8 x 8k,
-// pages of 16, us Hopper / decode: 64 tokens 598.7 / 381.1, 128 tokens 597.0 / 754.9).
-constexpr int64_t kPagedSmallPagesMinTokens = 128;
+// Paged caches with pages under 64 keys: the Hopper kernel's producer issues up to 32 boxes and 8 block-table reads
+// a 128-key tile, so the decode kernel keeps the shortest prefills (H100, pages of 16, us Hopper / decode: 8 x 8k
+// 64 tokens 394.6 / 376.1, 128 tokens 397.0 / 746.2; 64 entries of mixed lengths, 64 tokens 618.5 / 737.4).
+constexpr int64_t kPagedSmallPagesMinTokens = 64;
 
 bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_cache, const at::Tensor& value_cache,
                                const KvCacheArgs& args, const AttentionOptions& opts, const cudaDeviceProp& prop,
@@ -571,8 +571,7 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   const int64_t rows_per_cache_row = key_cache.size(1);  // a page's keys, or a dense cache row's
   const int64_t capacity = paged ? args.block_table.size(1) * rows_per_cache_row : rows_per_cache_row;
   // Paged: pages of a multiple of 16 keys, so that the producer's TMA boxes (16 keys or more) never cross a page;
-  // pages under 64 keys (up to 8 boxes a span, one block-table read each, all from the producer's one thread) only
-  // from kPagedSmallPagesMinTokens tokens.
+  // pages under 64 keys (up to 8 boxes a span, all from the producer's one thread) from kPagedSmallPagesMinTokens.
   const bool pages_fit = rows_per_cache_row % 16 == 0 &&
                          (rows_per_cache_row % 64 == 0 || Sq >= kPagedSmallPagesMinTokens);
   if (!is_hopper(prop) || args.cache_batch_idx.defined() || args.cache_leftpad.defined() || args.num_splits > 0 ||

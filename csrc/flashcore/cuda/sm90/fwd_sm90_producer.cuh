@@ -20,28 +20,41 @@ namespace flashcore::sm90 {
 // Varlen with paged keys (seqlen.h: VarlenParams::block_table): the kBlockN keys from `key0` of sequence `seq` into
 // one K or V stage, as boxes of page_box_rows keys, each inside one page at (row in page, page). Keys past the
 // sequence get page -1 and pages outside the cache read nothing: TMA zero-fills both and counts the full box, so the
-// stage's expect_tx stays the whole tile. The block-table reads of a tile share a cache line or two, and the next
-// tile's (the walk goes down) is prefetched into L1 while this one's boxes fly.
+// stage's expect_tx stays the whole tile. All block-table reads of the tile are issued before the first box (the
+// boxes' asm would otherwise order each read after the previous box: one memory latency a box), with one division
+// a tile: a box divides the page, so (slot, row) steps through the pages. The next tile's reads (the walk goes down)
+// are prefetched into L1 while this one's boxes fly.
 template <typename Traits>
 __device__ __forceinline__ void load_paged_keys(const FwdParams& p, typename Traits::Element* stage,
                                                 const CUtensorMap* tm, uint64_t* full, int seq, int key0,
                                                 int seqlen_k, int h_kv) {
+  // Boxes in groups of kGroup (the producer runs on few registers): a group's reads, then its boxes.
+  constexpr int kGroup = 4;
   const VarlenParams& v = p.varlen;
   const int32_t* table = v.block_table + (int64_t)seq * v.block_table_stride;
-  const int box = v.page_box_rows;
-  for (int r = 0; r < Traits::kBlockN; r += box) {
-    const int key = key0 + r;
-    int page = -1, row = 0;
-    if (key < seqlen_k) {
-      const int slot = key / v.page_size;
-      page = table[slot];
-      row = key - slot * v.page_size;
+  const int box = v.page_box_rows, page_size = v.page_size;
+  int slot = key0 / page_size, row = key0 - slot * page_size;
+  for (int g0 = 0; g0 * box < Traits::kBlockN; g0 += kGroup) {
+    int page[kGroup];
+#pragma unroll
+    for (int g = 0, s = slot, r = row; g < kGroup; ++g) {
+      const int key = key0 + (g0 + g) * box;
+      page[g] = (g0 + g) * box < Traits::kBlockN && key < seqlen_k ? table[s] : -1;
+      r += box;
+      if (r == page_size) r = 0, ++s;
     }
 #pragma unroll
-    for (int span = 0; span < Traits::kSpans; ++span)
-      ptx::tma_load_4d(stage + span * Traits::kBlockN * 64 + r * 64, tm, full, span * 64, row, h_kv, page);
+    for (int g = 0; g < kGroup; ++g) {
+      if ((g0 + g) * box >= Traits::kBlockN) break;
+#pragma unroll
+      for (int span = 0; span < Traits::kSpans; ++span)
+        ptx::tma_load_4d(stage + span * Traits::kBlockN * 64 + (g0 + g) * box * 64, tm, full, span * 64, row, h_kv,
+                         page[g]);
+      row += box;
+      if (row == page_size) row = 0, ++slot;
+    }
   }
-  if (key0 > 0) ptx::prefetch_l1(table + (key0 - Traits::kBlockN) / v.page_size);
+  if (key0 > 0) ptx::prefetch_l1(table + (key0 - Traits::kBlockN) / page_size);
 }
 
 template <typename Traits>
