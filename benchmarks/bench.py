@@ -337,6 +337,28 @@ def backend_registry(device: str) -> dict[str, Backend]:
     return reg
 
 
+@contextlib.contextmanager
+def _environment(env: dict):
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def switched_flashcore(base: Backend, name: str) -> Backend:
+    """'flashcore@NAME=VALUE[+NAME=VALUE]': flashcore with run-time switches (csrc/flashcore/switches.h) set around
+    each of its calls, for an A/B of two paths in the same interleaved rounds, e.g.
+    flashcore,flashcore@FLASHCORE_BWD_WIDE_STEPS=0."""
+    env = dict(kv.split("=", 1) for kv in name.split("@", 1)[1].split("+"))
+    return dataclasses.replace(base, name=name, context=lambda: _environment(env))
+
+
 DEFAULT_BACKENDS = {
     "cuda": ["flashcore", "sdpa", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"] + (["fa4"] if _fa4_func else []),
     "cpu": ["flashcore", "sdpa"],
@@ -923,7 +945,8 @@ def parse_args(argv=None):
     p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default fwd,fwdbwd)")
     p.add_argument("--backends", default=None,
                    help="comma-separated: flashcore, sdpa (default dispatch), sdpa-flash, sdpa-cudnn, "
-                        "sdpa-efficient, sdpa-math (default: all but math on GPU; flashcore,sdpa on CPU)")
+                        "sdpa-efficient, sdpa-math, fa4, flashcore@NAME=VALUE[+NAME=VALUE] (flashcore with switches "
+                        "set around its calls, for A/B) (default: all but math on GPU; flashcore,sdpa on CPU)")
     p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda when available")
     p.add_argument("--rounds", type=int, default=None, help="interleaved rounds (GPU 5, CPU 3)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per backend per round (GPU 30, CPU 5)")
@@ -1001,6 +1024,8 @@ def main(argv=None) -> int:
     names = args.backends.split(",") if args.backends else DEFAULT_BACKENDS[device]
     names = [n.strip() for n in names if n.strip()]
     for n in names:
+        if n.startswith("flashcore@"):
+            registry[n] = switched_flashcore(registry["flashcore"], n)
         if n not in registry:
             parser.error(f"--backends: unknown backend {n!r}; known: {', '.join(registry)}")
     if "sdpa" not in names:

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 
 import flashcore
-from conftest import (assert_ran, check_gradients, cuda_skip_reason, lowp_attention, make_generator, randn,
-                      reference_attention)
+from conftest import (assert_ran, check_gradients, cuda_skip_reason, gpu_families, lowp_attention, make_generator,
+                      randn, reference_attention)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")]
 
@@ -194,3 +194,33 @@ def test_backward_gqa_257_precision(seed):
     dout = randn((2, 8, 257, 128), torch.bfloat16, g, DEV)
     got = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=True, enable_gqa=True), (q, k, v), dout)
     check_grads(got, q, k, v, dout, True)
+
+
+WIDE_SHAPES = [(1, 2, 2, 80, 128), (2, 4, 2, 161, 300), (1, 3, 1, 1000, 77), (1, 2, 2, 1, 129), (1, 4, 4, 2100, 640)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [112, 128])
+@pytest.mark.parametrize("shape", WIDE_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_backward_wide_steps(request, monkeypatch, dtype, head_dim, shape):
+    """The Hopper backward's 80-row kernel (unbanded calls at head-dim tile 128, dQ computed transposed): query
+    lengths that are and are not multiples of 80, one row, GQA, a padded head dim, BSHD and sliced storage;
+    against float64, and the 64-row kernel (FLASHCORE_BWD_WIDE_STEPS=0) on the same inputs, each path asserted."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the wide-step kernel is sm90's")
+    monkeypatch.delenv("FLASHCORE_FORCE_BWD", raising=False)
+    B, Hq, Hkv, Sq, Sk = shape
+    g = make_generator(request, DEV)
+    q = randn((B, Hq, Sq, head_dim), dtype, g, DEV, layout="bshd").detach().requires_grad_()
+    k = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout="bshd").detach().requires_grad_()
+    v = randn((B, Hkv, Sk, head_dim), dtype, g, DEV, layout="padded").detach().requires_grad_()
+    dout = randn((B, Hq, Sq, head_dim), dtype, g, DEV)
+    runs = {}
+    for wide in ("1", "0"):
+        monkeypatch.setenv("FLASHCORE_BWD_WIDE_STEPS", wide)
+        out = flashcore.attention(q, k, v, enable_gqa=Hq != Hkv)
+        runs[wide] = torch.autograd.grad(out, (q, k, v), dout)
+        ran = assert_ran("bwd", "sm90")
+        assert ran.endswith(" m80") == (wide == "1"), ran
+    check_grads(runs["1"], q, k, v, dout, dtype=dtype)
+    check_grads(runs["0"], q, k, v, dout, dtype=dtype)

@@ -18,11 +18,12 @@ struct KernelTrace {
   bool score_mod = false;       // CUDA kernels: the score-mod variant (softcap, ALiBi, non-positive scale)
   bool varlen = false;          // CUDA kernels: the variable-length variant (seqlen.h)
   bool longest_first = false;   // KV-cache kernel: blocks took their batch entries longest first
+  int wide_block_m = 0;         // backward: the wide-step kernel's query rows a step, where it ran
 };
 
 void record_kernel(Pass pass, const KernelTrace& trace);
 // "sm90 hdim128 wg2", "sm90 hdim64 wg1 splits3", "sm80 hdim64 mod", "sm80 hdim128 mod varlen", "decode hdim128
-// longest-first", "cpu", "composite", "none", ...
+// longest-first", "sm90 hdim128 m80", "cpu", "composite", "none", ...
 std::string last_kernel(Pass pass);
 
 }  // namespace flashcore

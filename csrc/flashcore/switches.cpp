@@ -60,6 +60,11 @@ bool decode_longest_first_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+bool bwd_wide_steps_enabled() {
+  const char* v = env("FLASHCORE_BWD_WIDE_STEPS");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 int decode_tma_forced() {
   const char* v = env("FLASHCORE_DECODE_TMA");
   if (v == nullptr) return -1;

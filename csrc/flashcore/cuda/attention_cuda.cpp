@@ -232,7 +232,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   const BwdParams p = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dsum = at::empty({q.size(0), q.size(1), q.size(2)}, f32);
-  const int64_t rows = (q.size(2) + kernel->block_m - 1) / kernel->block_m * kernel->block_m;
+  // A mask that hides only the sequence ends may take the entry's wide-step kernel (its own row padding).
+  const bool wide = kernel->launch_wide != nullptr && !p.band.banded() && bwd_wide_steps_enabled();
+  const int block_m = wide ? kernel->wide_block_m : kernel->block_m;
+  const int64_t rows = (q.size(2) + block_m - 1) / block_m * block_m;
   const int64_t dq_cols = kernel->dq_accum.cols_exact ? q.size(3) : kernel->head_dim_tile;
   at::Tensor dq_accum = at::empty({q.size(0), q.size(1), rows, dq_cols}, f32);
   poison_if_enabled({dsum, dq_accum});  // the pre-pass must write both whole
@@ -241,8 +244,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   // 4x16x8192x128; measured within noise of the two-kernel version, one launch fewer).
   cuda::launch_bwd_prepass(p, q.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(),
                            rows, (int)dq_cols, stream);
-  record_kernel(Pass::kBwd, KernelTrace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod});
-  kernel->launch(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
+  KernelTrace trace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod};
+  trace.wide_block_m = wide ? block_m : 0;
+  record_kernel(Pass::kBwd, trace);
+  (wide ? kernel->launch_wide : kernel->launch)(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
   dsum = at::Tensor();
   grad_query = at::empty_like(query_in);
   poison_if_enabled({grad_query});

@@ -8,7 +8,8 @@
 //   dV_w += P^T dO                                   (wgmma, A from registers, B = the dO tile read MN-major;
 //                                                     issued before dS is computed where registers allow)
 //   dQ   = dS K                                      (wgmma, dS^T staged in shared memory and read M-major; the
-//                                                     warpgroups split it, bwd_sm90_config.cuh kDqSplit)
+//                                                     warpgroups split it, bwd_sm90_config.cuh kDqSplit;
+//                                                     80-row steps: dQ^T = K^T dS^T, dS stored query-major)
 //   dK_w += dS^T Q                                   (like dV; issued last, so it hides dQ's staging)
 // dQ is staged in shared memory for the dQ writer (bwd_sm90_producer.cuh), which adds it to the fp32 accumulator
 // in global memory with TMA reductions. The per-query lse/dsum of the next step are loaded from global memory
@@ -263,7 +264,9 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   constexpr int kSVals = kBlockM / 2, kQTiles = kBlockM / 8, kQSteps = kBlockM / 16;  // S^T: n8 tiles, k16 steps
   using MmaS = ptx::Wgmma<Element, kBlockM>;     // S^T, dP^T: m64 (keys) x n kBlockM (queries)
   using MmaKV = ptx::Wgmma<Element, kHeadDim>;   // dK, dV: m64 (keys) x n kHeadDim
-  using MmaDQ = ptx::Wgmma<Element, 64>;         // dQ: m64 (queries) x n64 (a column chunk)
+  // dQ: m64 (queries) x n64 (a column chunk); transposed (80-row steps): m64 (a column chunk) x n kBlockM (queries).
+  constexpr bool kDqT = Traits::kDqTransposed;
+  using MmaDQ = ptx::Wgmma<Element, kDqT ? kBlockM : 64>;
 
   const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
   const int lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -281,9 +284,17 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   // of the warp's 16 keys, 8-column half l / 16 of block kk. In the 128-byte swizzle, block kk's chunk is
   // (2 (kk % 4) + half) ^ (row % 8) = ((half ^ (row % 8)) ^ 2 (kk % 4)): the kk = 0 offset XOR a constant (the tile
   // is 1024-byte aligned and rows are 128 bytes, so bits 4-6 hold only the chunk), plus kk / 4 spans.
+  // Transposed dQ stores dS instead (rows = queries, keys along a row) with stmatrix.trans: lane l addresses query
+  // 16 kk + l % 8 + 8 (l / 16), keys chunk (l / 8) % 2 of the warp's 16; block kk is 16 rows (2048 bytes) further.
   auto ds_store_offset = [&](int kk) -> uint32_t {
-    const uint32_t base = 2u * Traits::DsTile::chunk_offset(64 * wg + warp_row + (lane & 7) + (lane & 8), lane >> 4);
-    return (kk / 4) * (uint32_t)(kBlockN * 64 * 2) + (base ^ (uint32_t)((kk % 4) << 5));
+    if constexpr (kDqT) {
+      const int chunk = (64 * wg + warp_row) / 8 + ((lane >> 3) & 1);
+      return 2u * Traits::DsTile::chunk_offset((lane & 7) + ((lane >> 4) << 3), chunk) + kk * 16 * 128;
+    } else {
+      const uint32_t base =
+          2u * Traits::DsTile::chunk_offset(64 * wg + warp_row + (lane & 7) + (lane & 8), lane >> 4);
+      return (kk / 4) * (uint32_t)(kBlockN * 64 * 2) + (base ^ (uint32_t)((kk % 4) << 5));
+    }
   };
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
@@ -399,7 +410,12 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     Element* ds = smem.ds_buffer(step);
     const uint32_t ds_addr = ptx::smem_addr(ds);
 #pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk) ptx::stmatrix_x4(ds_addr + ds_store_offset(kk), dsa[kk]);
+    for (int kk = 0; kk < kQSteps; ++kk) {
+      if constexpr (kDqT)
+        ptx::stmatrix_x4_trans(ds_addr + ds_store_offset(kk), dsa[kk]);
+      else
+        ptx::stmatrix_x4(ds_addr + ds_store_offset(kk), dsa[kk]);
+    }
     if (step + 1 < blk.steps) row_stats.stage((step + 1) & 1, next_stat);
     ptx::fence_proxy_async_shared();
     consumers_sync();
@@ -407,14 +423,15 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     // dQ of kDqMTiles m64 query tiles (a 64-query span of dS^T each), kDqCols = 64 columns
     // (bwd_sm90_config.cuh): split by columns, all kBlockN keys and span wg of K; by rows, all keys and the
     // warpgroup's query span wg of dS^T; by keys, this warpgroup's 64 keys, every query and column.
-    constexpr int kDqMTiles = Traits::kDqRows / 64;
+    // Transposed: one m64 (columns 64 wg..) x n kBlockM (queries) GEMM over all keys.
+    constexpr int kDqMTiles = kDqT ? 1 : Traits::kDqRows / 64, kDqVals = kDqT ? kBlockM / 2 : 32;
     static_assert(Traits::kDqCols == 64, "one 64-column dQ GEMM a warpgroup and step");
     if constexpr (!kDvBeforeDs) {
       ptx::wgmma_wait<0>();  // dV has retired (it ran during the barrier): P's fragments make room for dQ
 #pragma unroll
       for (int kk = 0; kk < kQSteps; ++kk) ptx::fence_operand(pa[kk]);
     }
-    float dq[kDqMTiles][32];
+    float dq[kDqMTiles][kDqVals];
     const uint32_t ds_a = Traits::kDqSplitKeys   ? ds_addr + 64 * wg * 128
                           : Traits::kDqSplitRows ? ds_addr + wg * kBlockN * 128
                                                  : ds_addr;
@@ -423,27 +440,51 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
                                                 : k_addr + wg * kBlockN * 128;
     auto issue_dq = [&] {
       ptx::wgmma_fence();
+      if constexpr (kDqT) {
+        // A = K^T: the K tile's column span wg, rows = keys (MN-major); B = dS: rows = queries, K-major.
 #pragma unroll
-      for (int mt = 0; mt < kDqMTiles; ++mt) {
+        for (int kk = 0; kk < kBlockN / 16; ++kk)
+          MmaDQ::ss_amn(dq[0], mnmajor_desc(k_addr + wg * kBlockN * 128, kBlockN, kk),
+                        kmajor_desc(ds_addr, kBlockM, 0, kk), kk > 0);
+      } else {
 #pragma unroll
-        for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk)
-          MmaDQ::ss_mn(dq[mt], mnmajor_desc(ds_a + mt * kBlockN * 128, kBlockN, kk),
-                       mnmajor_desc(k_b, kBlockN, kk), kk > 0);
+        for (int mt = 0; mt < kDqMTiles; ++mt) {
+#pragma unroll
+          for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk)
+            MmaDQ::ss_mn(dq[mt], mnmajor_desc(ds_a + mt * kBlockN * 128, kBlockN, kk),
+                         mnmajor_desc(k_b, kBlockN, kk), kk > 0);
+        }
       }
       ptx::wgmma_commit();
     };
     // dQ (rows: queries m0 + dq_row0(wg) + 64 mt + warp_row + g (+ 8)) to the staging tile, without the softmax
     // scale (the post-pass applies it: bwd_sm90_launch.cuh kBwdDqAccum).
+    // Transposed, dq[0][4 ni + 2 h + e] is dQ of query 8 ni + 2t + e, column warp_row + g + 8 h (of the chunk):
+    // scalar stores, conflict-free (the 8 g's take two chunks, XORed with the four rows 2t + e: 8 distinct
+    // chunks); n8 tile ni is 8 rows (256 floats) further with the same swizzle.
     auto stage_dq = [&] {
-      const int offset0 = dq_staging_offset<Traits::kDqRows>(warp_row + g, 2 * t);  // ni = 0, h = 0, mt = 0
+      if constexpr (kDqT) {
 #pragma unroll
-      for (int mt = 0; mt < kDqMTiles; ++mt) {
+        for (int h = 0; h < 2; ++h) {
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
+          for (int e = 0; e < 2; ++e) {
+            const int offset = dq_staging_offset<Traits::kDqRows>(2 * t + e, warp_row + g + 8 * h);
 #pragma unroll
-          for (int ni = 0; ni < 8; ++ni)
-            *reinterpret_cast<float2*>(dq_stage + mt * 64 * 32 + dq_pair_offset<Traits::kDqRows>(offset0, ni, half)) =
-                make_float2(dq[mt][4 * ni + 2 * half], dq[mt][4 * ni + 2 * half + 1]);
+            for (int ni = 0; ni < kBlockM / 8; ++ni) dq_stage[offset + ni * 8 * 32] = dq[0][4 * ni + 2 * h + e];
+          }
+        }
+      } else {
+        const int offset0 = dq_staging_offset<Traits::kDqRows>(warp_row + g, 2 * t);  // ni = 0, h = 0, mt = 0
+#pragma unroll
+        for (int mt = 0; mt < kDqMTiles; ++mt) {
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+#pragma unroll
+            for (int ni = 0; ni < 8; ++ni)
+              *reinterpret_cast<float2*>(dq_stage + mt * 64 * 32 +
+                                         dq_pair_offset<Traits::kDqRows>(offset0, ni, half)) =
+                  make_float2(dq[mt][4 * ni + 2 * half], dq[mt][4 * ni + 2 * half + 1]);
+          }
         }
       }
     };

@@ -38,9 +38,10 @@ constexpr int bwd_varlen_tile() {
   return BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/true>::kBlockN;
 }
 
-template <int kHeadDim, typename Element, bool kScoreMod>
+// kWideSteps: the unbanded kernel (BwdSm90Traits::kWideSteps), for calls with no causal or window mask.
+template <int kHeadDim, typename Element, bool kScoreMod, bool kWideSteps = false>
 void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
-  using Traits = BwdSm90Traits<kHeadDim, Element, kScoreMod>;
+  using Traits = BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/false, kWideSteps>;
   auto kernel = &bwd_sm90_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
   static std::atomic<uint64_t> configured_devices{0};
@@ -64,6 +65,21 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq,
                                                                             dsum, num_n_blocks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// The wide-step launcher of this entry (BwdKernelEntry::launch_wide) and its query rows a tile, where its head dim
+// has one (BwdSm90Config::kWideBlockM): the plain kernel only.
+template <int kHeadDim, typename Element, bool kScoreMod>
+constexpr cuda::BwdLaunchFn bwd_wide_launcher() {
+  if constexpr (!kScoreMod && BwdSm90Config<kHeadDim>::kWideBlockM > 0)
+    return &launch_bwd<kHeadDim, Element, false, true>;
+  else
+    return nullptr;
+}
+
+template <int kHeadDim, typename Element, bool kScoreMod>
+constexpr int bwd_wide_block_m() {
+  return kScoreMod ? 0 : BwdSm90Config<kHeadDim>::kWideBlockM;
 }
 
 // A variable-length batch (seqlen.h): the plain or score-mod variant built for varlen, one block per (key block of

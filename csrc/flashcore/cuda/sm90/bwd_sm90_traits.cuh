@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 
 #include "../../params.h"
 #include "../ptx/warpgroup.cuh"
@@ -15,12 +16,20 @@ namespace flashcore::sm90 {
 // each sequence's rows; rows past a sequence's end belong to the next sequence, and are hidden as in the dense
 // kernel's tail: queries by lse = +inf (P = 0, so dS = 0), keys by the band's sequence end (P = 0, and their dK/dV
 // rows are not stored). dQ's zero rows past the end are added to the next sequence's accumulator rows (exact: x + 0).
-template <int kHeadDim_, typename Element_, bool kScoreMod_ = false, bool kVarlen_ = false>
+// kWideSteps_: steps of Config::kWideBlockM query rows (80 at head dim 128, FlashAttention-3's non-causal tile)
+// for calls whose mask hides only the sequence ends. n80 S^T and dP^T read each K and V operand for 80 rows
+// instead of 64, so a row costs less shared-memory traffic; 80 rows are no whole m64 tile, so dQ is computed
+// transposed, dQ^T = K^T dS^T (each warpgroup 64 head-dim columns, all rows), with dS^T stored query-major.
+// Under a causal or windowed mask a 128-key block meets 80-row steps off its diagonal, so those keep 64.
+template <int kHeadDim_, typename Element_, bool kScoreMod_ = false, bool kVarlen_ = false, bool kWideSteps_ = false>
 struct BwdSm90Traits {
   using Element = Element_;
   static constexpr bool kScoreMod = kScoreMod_;
   static constexpr bool kVarlen = kVarlen_;
+  static constexpr bool kWideSteps = kWideSteps_;
   using Config = BwdSm90Config<kHeadDim_>;
+  static_assert(!kWideSteps || (Config::kWideBlockM > 0 && !kScoreMod && !kVarlen),
+                "wide steps: the dense plain kernel of a head dim that has them");
   // kHeadDim is the width the GEMMs compute; the shared-memory tiles are whole 64-element swizzle spans
   // (kTileCols). Head dim 96 keeps the 128-wide tiles: S^T and dP^T take 6 k-steps, dV and dK are n96, and the
   // second warpgroup's dQ chunk (columns 64..127) computes zeros past 96 that the dQ reduction drops.
@@ -35,8 +44,12 @@ struct BwdSm90Traits {
   static constexpr int kWgCols = kSplitHeadDim ? kHeadDim / kWarpgroups : kHeadDim;  // dK/dV columns a warpgroup
   // Query rows of one step. The score-mod variant keeps 64-row steps at head dim 64 too: 128-row steps hold twice
   // the S^T, dP^T and softcap-derivative registers, which spilled 1 KB there.
-  static constexpr int kBlockM = kScoreMod && Config::kBlockM > 64 ? 64 : Config::kBlockM;
-  static_assert(kBlockM == 64 || kBlockM == 128, "a step is one or two m64 query tiles");
+  static constexpr int kBlockM =
+      kWideSteps ? Config::kWideBlockM : kScoreMod && Config::kBlockM > 64 ? 64 : Config::kBlockM;
+  static_assert(kBlockM == 64 || kBlockM == 128 || (kWideSteps && kBlockM == 80),
+                "a step is one or two m64 query tiles, or 80 rows with dQ transposed");
+  // dQ^T = K^T dS^T: the warpgroups split dQ by head-dim columns (M of the transposed GEMM), all rows as N.
+  static constexpr bool kDqTransposed = kBlockM % 64 != 0;
   static_assert(!kSplitHeadDim || (kBlockM == 64 && kWarpgroups == 2 && kWgCols % 64 == 0),
                 "split head dim: each warpgroup computes S^T for half of a 64-row step");
   static constexpr int kStages = Config::kStages;      // Q ring
@@ -63,6 +76,8 @@ struct BwdSm90Traits {
   static constexpr bool kDqSplitKeys = Config::kDqSplit == DqSplit::kKeys ||
                                        (Config::kDqSplit == DqSplit::kRows && !kDqSplitRows);
   static_assert(!((kDqSplitKeys || kDqSplitRows) && kSplitHeadDim), "split head dim splits dQ by columns");
+  static_assert(!kDqTransposed || (Config::kDqSplit == DqSplit::kColumns && !kSplitHeadDim && kWarpgroups == 2),
+                "transposed dQ: each warpgroup one 64-column chunk of a 128-column tile");
   static constexpr int kDqKeys = kDqSplitKeys ? 64 : kBlockN;  // K extent of one warpgroup's dQ GEMM
   static constexpr int kDqCols = kDqSplitKeys || kDqSplitRows ? kTileCols : 64;  // N of one dQ GEMM (one chunk)
   static constexpr int kDqRows = kDqSplitRows ? 64 : kBlockM;  // query rows of one warpgroup's dQ
@@ -71,7 +86,8 @@ struct BwdSm90Traits {
 
   using QTile = cuda::SmemTile<kBlockM, kTileCols>;   // Q and dO: rows = queries
   using KVTile = cuda::SmemTile<kBlockN, kTileCols>;  // K and V: rows = keys
-  using DsTile = cuda::SmemTile<kBlockN, kBlockM>;   // dS^T: rows = keys, 64-query spans
+  // dS^T: rows = keys, 64-query spans; transposed dQ reads dS K-major (rows = queries, 64-key spans).
+  using DsTile = std::conditional_t<kDqTransposed, cuda::SmemTile<kBlockM, kBlockN>, cuda::SmemTile<kBlockN, kBlockM>>;
   static constexpr uint32_t kQBytes = QTile::kElems * 2;
   static constexpr uint32_t kKVBytes = KVTile::kElems * 2;
   static constexpr uint32_t kDsBytes = DsTile::kElems * 2;
