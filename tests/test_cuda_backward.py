@@ -202,10 +202,12 @@ WIDE_SHAPES = [(1, 2, 2, 80, 128), (2, 4, 2, 161, 300), (1, 3, 1, 1000, 77), (1,
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [112, 128])
 @pytest.mark.parametrize("shape", WIDE_SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_backward_wide_steps(request, monkeypatch, dtype, head_dim, shape):
-    """The Hopper backward's 80-row kernel (unbanded calls at head-dim tile 128, dQ computed transposed): query
-    lengths that are and are not multiples of 80, one row, GQA, a padded head dim, BSHD and sliced storage;
-    against float64, and the 64-row kernel (FLASHCORE_BWD_WIDE_STEPS=0) on the same inputs, each path asserted."""
+@pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
+def test_backward_wide_steps(request, monkeypatch, dtype, head_dim, shape, causal):
+    """The Hopper backward's 80-row kernel (head-dim tile 128, dQ computed transposed): query lengths that are and
+    are not multiples of 80, one row, GQA, a padded head dim, BSHD and sliced storage, with and without the causal
+    mask; against float64, and the 64-row kernel (FLASHCORE_BWD_WIDE_STEPS=0) on the same inputs, each path
+    asserted."""
     if "sm90" not in gpu_families():
         pytest.skip("the wide-step kernel is sm90's")
     monkeypatch.delenv("FLASHCORE_FORCE_BWD", raising=False)
@@ -218,9 +220,9 @@ def test_backward_wide_steps(request, monkeypatch, dtype, head_dim, shape):
     runs = {}
     for wide in ("1", "0"):
         monkeypatch.setenv("FLASHCORE_BWD_WIDE_STEPS", wide)
-        out = flashcore.attention(q, k, v, enable_gqa=Hq != Hkv)
+        out = flashcore.attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv)
         runs[wide] = torch.autograd.grad(out, (q, k, v), dout)
         ran = assert_ran("bwd", "sm90")
         assert ran.endswith(" m80") == (wide == "1"), ran
-    check_grads(runs["1"], q, k, v, dout, dtype=dtype)
-    check_grads(runs["0"], q, k, v, dout, dtype=dtype)
+    check_grads(runs["1"], q, k, v, dout, causal, dtype=dtype)
+    check_grads(runs["0"], q, k, v, dout, causal, dtype=dtype)

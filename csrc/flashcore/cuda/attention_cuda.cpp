@@ -232,8 +232,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   const BwdParams p = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dsum = at::empty({q.size(0), q.size(1), q.size(2)}, f32);
-  // A mask that hides only the sequence ends may take the entry's wide-step kernel (its own row padding).
-  const bool wide = kernel->launch_wide != nullptr && !p.band.banded() && bwd_wide_steps_enabled();
+  // The entry's wide-step kernel where it has one (its own row padding).
+  const bool wide = kernel->launch_wide != nullptr && bwd_wide_steps_enabled();
   const int block_m = wide ? kernel->wide_block_m : kernel->block_m;
   const int64_t rows = (q.size(2) + block_m - 1) / block_m * block_m;
   const int64_t dq_cols = kernel->dq_accum.cols_exact ? q.size(3) : kernel->head_dim_tile;
@@ -537,8 +537,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   rows.varlen = VarlenParams{};
   cuda::launch_bwd_prepass(rows, q.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(),
                            total_q, (int)dq_cols, stream);
-  record_kernel(Pass::kBwd, KernelTrace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod, true});
-  kernel->launch_varlen(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
+  const bool wide = kernel->launch_varlen_wide != nullptr && bwd_wide_steps_enabled();
+  KernelTrace trace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod, true};
+  trace.wide_block_m = wide ? kernel->wide_block_m : 0;
+  record_kernel(Pass::kBwd, trace);
+  (wide ? kernel->launch_varlen_wide : kernel->launch_varlen)(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(),
+                                                              stream);
   // dq_accum holds (Hq, total_q) rows: one batch entry of Hq heads, as grad_query (total_q, Hq, D) viewed.
   write_grad_query(dq_accum.unsqueeze(0), grad_query.transpose(0, 1).unsqueeze(0),
                    kernel->dq_accum.unscaled ? p.scale : 1.0);

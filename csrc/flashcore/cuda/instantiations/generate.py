@@ -54,9 +54,10 @@ for (kind, family), hdims in KERNELS.items():
                 with_varlen = mod or family == "sm90"
                 # sm90 backward: also the tile a packed varlen grid is cut into (kernel_registry.h: varlen_tile).
                 tile = f", flashcore::sm90::bwd_varlen_tile<{varlen_args}>()" if family == "sm90" else ""
-                # sm90 backward: and the wide-step launcher for unbanded calls (nullptr where there is none).
+                # sm90 backward: and the wide-step launchers (nullptr where there are none).
                 if family == "sm90":
                     tile += (f", flashcore::sm90::bwd_wide_launcher<{varlen_args}>(),"
+                             f" flashcore::sm90::bwd_varlen_wide_launcher<{varlen_args}>(),"
                              f" flashcore::sm90::bwd_wide_block_m<{varlen_args}>()")
                 fwd_varlen = f", &flashcore::{family}::launch_fwd_varlen<{varlen_args}>" if with_varlen else ""
                 bwd_varlen = f", &flashcore::{family}::launch_bwd_varlen<{varlen_args}>{tile}" if with_varlen else ""

@@ -38,8 +38,8 @@ template <> struct BwdSm90Config<128> {
   // and by rows only where dQ is one 64-column GEMM (head dim 64).
   static constexpr DqSplit kDqSplit = DqSplit::kColumns;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  // Unbanded calls (no causal or window mask) take 80-row steps (BwdSm90Traits::kWideSteps): shared memory
-  // K, V 64 KiB + 2 x (Q, dO) 80 KiB + 2 dS 40 KiB + dQ staging 40 KiB, 226 KiB with the rest.
+  // The plain kernel takes 80-row steps (BwdSm90Traits::kWideSteps): shared memory K, V 64 KiB + 2 x (Q, dO)
+  // 80 KiB + 2 dS 40 KiB + dQ staging 40 KiB, 226 KiB with the rest.
   static constexpr int kWideBlockM = 80;
 };
 // Head dim 96 runs the 128-wide tiles with narrower GEMMs (bwd_sm90_traits.cuh): same shapes as 128.

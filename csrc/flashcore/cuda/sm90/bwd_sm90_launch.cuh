@@ -38,7 +38,7 @@ constexpr int bwd_varlen_tile() {
   return BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/true>::kBlockN;
 }
 
-// kWideSteps: the unbanded kernel (BwdSm90Traits::kWideSteps), for calls with no causal or window mask.
+// kWideSteps: the 80-row kernel (BwdSm90Traits::kWideSteps).
 template <int kHeadDim, typename Element, bool kScoreMod, bool kWideSteps = false>
 void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
   using Traits = BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/false, kWideSteps>;
@@ -78,6 +78,9 @@ constexpr cuda::BwdLaunchFn bwd_wide_launcher() {
 }
 
 template <int kHeadDim, typename Element, bool kScoreMod>
+constexpr cuda::BwdLaunchFn bwd_varlen_wide_launcher();
+
+template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr int bwd_wide_block_m() {
   return kScoreMod ? 0 : BwdSm90Config<kHeadDim>::kWideBlockM;
 }
@@ -86,9 +89,9 @@ constexpr int bwd_wide_block_m() {
 // max_seqlen_k = p.seqlen_k, sequence slot, kv head). The descriptors cover the packed tensors as one
 // (1, heads, total, dim) entry each (the dispatcher checks that TMA can describe them); dq_accum is
 // (heads_q, total_q, head_dim) fp32, zeroed, addressed as heads_q * total_q rows (< 2^31: the dispatcher checks).
-template <int kHeadDim, typename Element, bool kScoreMod>
+template <int kHeadDim, typename Element, bool kScoreMod, bool kWideSteps = false>
 void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
-  using Traits = BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/true>;
+  using Traits = BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/true, kWideSteps>;
   auto kernel = &bwd_sm90_kernel<Traits>;
   constexpr int kSmem = Traits::kSmemBytes;
   static std::atomic<uint64_t> configured_devices{0};
@@ -114,6 +117,14 @@ void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, c
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq,
                                                                             dsum, num_n_blocks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <int kHeadDim, typename Element, bool kScoreMod>
+constexpr cuda::BwdLaunchFn bwd_varlen_wide_launcher() {
+  if constexpr (!kScoreMod && BwdSm90Config<kHeadDim>::kWideBlockM > 0)
+    return &launch_bwd_varlen<kHeadDim, Element, false, true>;
+  else
+    return nullptr;
 }
 
 }  // namespace flashcore::sm90
