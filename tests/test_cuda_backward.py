@@ -200,13 +200,13 @@ WIDE_SHAPES = [(1, 2, 2, 80, 128), (2, 4, 2, 161, 300), (1, 3, 1, 1000, 77), (1,
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [112, 128])
+@pytest.mark.parametrize("head_dim", [80, 96, 112, 128])
 @pytest.mark.parametrize("shape", WIDE_SHAPES, ids=lambda s: "x".join(map(str, s)))
 @pytest.mark.parametrize("causal", [False, True], ids=["dense", "causal"])
 def test_backward_wide_steps(request, monkeypatch, dtype, head_dim, shape, causal):
-    """The Hopper backward's 80-row kernel (head-dim tile 128, dQ computed transposed): query lengths that are and
-    are not multiples of 80, one row, GQA, a padded head dim, BSHD and sliced storage, with and without the causal
-    mask; against float64, and the 64-row kernel (FLASHCORE_BWD_WIDE_STEPS=0) on the same inputs, each path
+    """The Hopper backward's 80-row kernel (head-dim tiles 96 and 128, dQ computed transposed): query lengths that
+    are and are not multiples of 80, one row, GQA, padded head dims, BSHD and sliced storage, with and without the
+    causal mask; against float64, and the 64-row kernel (FLASHCORE_BWD_WIDE_STEPS=0) on the same inputs, each path
     asserted."""
     if "sm90" not in gpu_families():
         pytest.skip("the wide-step kernel is sm90's")

@@ -13,8 +13,8 @@
 //                                               CPU always validates them)
 //   FLASHCORE_VARLEN_SCHEDULE=0                 run a varlen backward's sequences in their given order on a grid of
 //                                               max_seqlen_k's blocks each, not longest first on a packed grid (A/B)
-//   FLASHCORE_BWD_WIDE_STEPS=0                  the sm90 head-dim-128 backward takes 64-row steps, not its 80-row
-//                                               kernel (A/B)
+//   FLASHCORE_BWD_WIDE_STEPS=0                  the sm90 backward at head-dim tiles 96 and 128 takes 64-row steps,
+//                                               not its 80-row kernel (A/B)
 //   FLASHCORE_DECODE_LONGEST_FIRST=0            the KV-cache kernel's blocks take their batch entries in index
 //                                               order, not longest first (A/B)
 //   FLASHCORE_DECODE_TMA=0|1                    the KV-cache kernel's loader on Hopper: 0 cp.async everywhere, 1 TMA

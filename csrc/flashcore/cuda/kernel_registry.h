@@ -50,7 +50,7 @@ struct BwdKernelEntry {
   // Keys of the varlen kernel's blocks when fixed (then its grid can be packed: VarlenParams::tile_end), or 0.
   int varlen_tile = 0;
   // Kernels with wide_block_m query rows a step, taken instead of launch / launch_varlen where present (dense:
-  // dq_accum's rows are padded to wide_block_m then), or nullptr: sm90 head dim 128 has 80-row steps.
+  // dq_accum's rows are padded to wide_block_m then), or nullptr: sm90 head-dim tiles 96 and 128 have 80-row steps.
   BwdLaunchFn launch_wide = nullptr;
   BwdLaunchFn launch_varlen_wide = nullptr;
   int wide_block_m = 0;

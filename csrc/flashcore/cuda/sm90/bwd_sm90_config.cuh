@@ -43,9 +43,7 @@ template <> struct BwdSm90Config<128> {
   static constexpr int kWideBlockM = 80;
 };
 // Head dim 96 runs the 128-wide tiles with narrower GEMMs (bwd_sm90_traits.cuh): same shapes as 128.
-template <> struct BwdSm90Config<96> : BwdSm90Config<128> {
-  static constexpr int kWideBlockM = 0;
-};
+template <> struct BwdSm90Config<96> : BwdSm90Config<128> {};
 template <> struct BwdSm90Config<256> {
   static constexpr int kWarpgroups = 2, kBlockM = 64, kStages = 2, kDoStages = 1;
   static constexpr DqSplit kDqSplit = DqSplit::kColumns;

@@ -16,11 +16,12 @@ namespace flashcore::sm90 {
 // each sequence's rows; rows past a sequence's end belong to the next sequence, and are hidden as in the dense
 // kernel's tail: queries by lse = +inf (P = 0, so dS = 0), keys by the band's sequence end (P = 0, and their dK/dV
 // rows are not stored). dQ's zero rows past the end are added to the next sequence's accumulator rows (exact: x + 0).
-// kWideSteps_: steps of Config::kWideBlockM query rows (80 at head dim 128, FlashAttention-3's non-causal tile).
-// n80 S^T and dP^T read each K and V operand for 80 rows instead of 64, so a row costs less shared-memory
-// traffic; 80 rows are no whole m64 tile, so dQ is computed transposed, dQ^T = K^T dS^T (each warpgroup 64
-// head-dim columns, all rows), with dS stored query-major. Causal and windowed masks take them too: a band's
-// edge tiles are masked as at 64 rows, and measured the steps' saving outweighs the larger edge tiles.
+// kWideSteps_: steps of Config::kWideBlockM query rows (80 at head-dim tiles 96 and 128; FlashAttention-3 takes
+// 80 rows at head dim 128 without a causal mask). n80 S^T and dP^T read each K and V operand for 80 rows instead
+// of 64, so a row costs less shared-memory traffic; 80 rows are no whole m64 tile, so dQ is computed transposed,
+// dQ^T = K^T dS^T (each warpgroup 64 head-dim columns, all rows), with dS stored query-major. Causal and windowed
+// masks take them too: a band's edge tiles are masked as at 64 rows, and the steps' saving outweighs the larger
+// edge tiles (docs/PERFORMANCE.md, ablation).
 template <int kHeadDim_, typename Element_, bool kScoreMod_ = false, bool kVarlen_ = false, bool kWideSteps_ = false>
 struct BwdSm90Traits {
   using Element = Element_;
