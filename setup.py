@@ -5,8 +5,10 @@ Python 3.11 loads on 3.12 with the same torch.
 
 Build knobs (environment variables), so that development builds stay small:
   FLASHCORE_CUDA        "auto" (default: build CUDA kernels when nvcc is found), "1" (require), "0" (CPU only)
-  FLASHCORE_CUDA_ARCHS  semicolon list of targets, default "80;86;89;90a"; "90a" means
-                        -gencode=arch=compute_90a,code=sm_90a (Hopper wgmma/setmaxnreg need the "a" target)
+  FLASHCORE_CUDA_ARCHS  semicolon list of targets, default "80;90a"; "90a" means
+                        -gencode=arch=compute_90a,code=sm_90a (Hopper wgmma/setmaxnreg need the "a" target).
+                        sm_86 and sm_89 GPUs run the sm_80 binary (same major version, same source: the tiles
+                        fit their 99 KiB); "86" and "89" build their own copies when asked.
   FLASHCORE_HEADDIMS    CUDA head-dim tiles to instantiate, default "32;64;96;128;192;256"
   FLASHCORE_DTYPES      CUDA dtypes to instantiate, default "fp16;bf16"
   FLASHCORE_DEBUG       "1" builds with -O0 -g (host) and -lineinfo (device)
@@ -26,6 +28,7 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 CSRC = os.path.join("csrc", "flashcore")
 
 ALL_ARCHS = ["80", "86", "89", "90a"]
+DEFAULT_ARCHS = ["80", "90a"]
 ALL_HEADDIMS = ["32", "64", "96", "128", "192", "256"]
 ALL_DTYPES = ["fp16", "bf16"]
 
@@ -93,7 +96,7 @@ def get_extensions():
             )
         ]
 
-    archs = _env_list("FLASHCORE_CUDA_ARCHS", ALL_ARCHS)
+    archs = _env_list("FLASHCORE_CUDA_ARCHS", DEFAULT_ARCHS)
     headdims = _env_list("FLASHCORE_HEADDIMS", ALL_HEADDIMS)
     dtypes = _env_list("FLASHCORE_DTYPES", ALL_DTYPES)
     for d in headdims:
