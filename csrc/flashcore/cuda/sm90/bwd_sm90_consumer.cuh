@@ -24,10 +24,10 @@
 #include "../common/fragment_score_mod.cuh"
 #include "../common/pack.cuh"
 #include "../ptx/mbarrier.cuh"
-#include "../ptx/stmatrix.cuh"
 #include "../ptx/tma.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "../ptx/wgmma_sm90.cuh"
+#include "bwd_sm90_dq.cuh"
 #include "bwd_sm90_traits.cuh"
 #include "smem_desc.cuh"
 
@@ -35,26 +35,6 @@ namespace flashcore::sm90 {
 
 // Hardware barrier of the consumer threads (the producer never uses it); 0 is __syncthreads.
 constexpr uint32_t kBwdConsumerBarrier = 1;
-
-// Offset (floats) of (row, col) in a warpgroup's dQ staging tile (kRows queries x 64 columns): two boxes of 32
-// columns, rows of 128 bytes whose 16-byte chunks are swizzled as TMA's 128-byte mode expects (chunk c of row r
-// at c ^ (r % 8)). A warp's float2 stores (8 rows x 4 column pairs) take 4 wavefronts, not the 2 of their 256
-// bytes: rows g and g ^ 1 of a half-warp meet in the same chunks. Unswizzled 8-column boxes avoid that but made
-// the dQ writer's TMA reductions slower (docs/PERFORMANCE.md, rejected).
-template <int kRows>
-__device__ __forceinline__ int dq_staging_offset(int row, int col) {
-  const int box = col >> 5, chunk = (col & 31) >> 2;
-  return box * (kRows * 32) + row * 32 + ((chunk ^ (row & 7)) << 2) + (col & 3);
-}
-
-// The same for this thread's accumulator pairs of n8 tile ni, rows r0 + 8 h (r0 % 8 = g), columns 8 ni + 2t, from
-// the offset of ni = 0, h = 0: chunk (2 (ni % 4) + t / 2) ^ g is that of ni = 0 XOR 2 (ni % 4) (disjoint bits),
-// and the tile's rows are 128-byte aligned, so bits 3-4 of a float offset hold only the chunk. Four address
-// computations a step instead of one per store.
-template <int kRows>
-__device__ __forceinline__ int dq_pair_offset(int offset0, int ni, int h) {
-  return (offset0 ^ ((ni & 3) << 3)) + (ni >> 2) * (kRows * 32) + h * 8 * 32;
-}
 
 // Packs an m64nN fp32 accumulator (this thread's N / 2 values) into the N / 16 k16 A fragments of the next GEMM.
 template <typename Element, int kVals>
@@ -264,9 +244,6 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   constexpr int kSVals = kBlockM / 2, kQTiles = kBlockM / 8, kQSteps = kBlockM / 16;  // S^T: n8 tiles, k16 steps
   using MmaS = ptx::Wgmma<Element, kBlockM>;     // S^T, dP^T: m64 (keys) x n kBlockM (queries)
   using MmaKV = ptx::Wgmma<Element, kHeadDim>;   // dK, dV: m64 (keys) x n kHeadDim
-  // dQ: m64 (queries) x n64 (a column chunk); transposed (80-row steps): m64 (a column chunk) x n kBlockM (queries).
-  constexpr bool kDqT = Traits::kDqTransposed;
-  using MmaDQ = ptx::Wgmma<Element, kDqT ? kBlockM : 64>;
 
   const int tid = threadIdx.x;  // 0 .. kConsumerThreads - 1
   const int lane = tid & 31, g = lane >> 2, t = lane & 3;
@@ -278,24 +255,8 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
       Traits::kVarlen ? blk.band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM)
                       : p.band.unmasked_query_tiles(blk.n0, kBlockN, kBlockM);
   const int key_lo = blk.n0 + 64 * wg + warp_row + g;  // keys of this thread's accumulator rows: key_lo, key_lo + 8
-  float* dq_stage = smem.dq_staging(wg);
-  // dS^T goes to shared memory a 16 x 16 fragment block at a time (stmatrix.x4: dsa[kk]'s four registers are its
-  // four 8 x 8 matrices, keys g / g + 8 by query columns 2t / 8 + 2t). Lane l addresses row l % 8 + 8 ((l / 8) % 2)
-  // of the warp's 16 keys, 8-column half l / 16 of block kk. In the 128-byte swizzle, block kk's chunk is
-  // (2 (kk % 4) + half) ^ (row % 8) = ((half ^ (row % 8)) ^ 2 (kk % 4)): the kk = 0 offset XOR a constant (the tile
-  // is 1024-byte aligned and rows are 128 bytes, so bits 4-6 hold only the chunk), plus kk / 4 spans.
-  // Transposed dQ stores dS instead (rows = queries, keys along a row) with stmatrix.trans: lane l addresses query
-  // 16 kk + l % 8 + 8 (l / 16), keys chunk (l / 8) % 2 of the warp's 16; block kk is 16 rows (2048 bytes) further.
-  auto ds_store_offset = [&](int kk) -> uint32_t {
-    if constexpr (kDqT) {
-      const int chunk = (64 * wg + warp_row) / 8 + ((lane >> 3) & 1);
-      return 2u * Traits::DsTile::chunk_offset((lane & 7) + ((lane >> 4) << 3), chunk) + kk * 16 * 128;
-    } else {
-      const uint32_t base =
-          2u * Traits::DsTile::chunk_offset(64 * wg + warp_row + (lane & 7) + (lane & 8), lane >> 4);
-      return (kk / 4) * (uint32_t)(kBlockN * 64 * 2) + (base ^ (uint32_t)((kk % 4) << 5));
-    }
-  };
+  // dS to shared memory, dQ's GEMM and its staging (bwd_sm90_dq.cuh).
+  const BwdDqStep<Traits> dq_step(wg, lane, warp_row, k_addr, smem.dq_staging(wg));
 
   float dk[kHeadDim / 2], dv[kHeadDim / 2];
 #pragma unroll
@@ -409,86 +370,18 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     // visible to every consumer's dQ wgmma (async proxy) through the fence and the barrier.
     Element* ds = smem.ds_buffer(step);
     const uint32_t ds_addr = ptx::smem_addr(ds);
-#pragma unroll
-    for (int kk = 0; kk < kQSteps; ++kk) {
-      if constexpr (kDqT)
-        ptx::stmatrix_x4_trans(ds_addr + ds_store_offset(kk), dsa[kk]);
-      else
-        ptx::stmatrix_x4(ds_addr + ds_store_offset(kk), dsa[kk]);
-    }
+    dq_step.store_ds(ds_addr, dsa);
     if (step + 1 < blk.steps) row_stats.stage((step + 1) & 1, next_stat);
     ptx::fence_proxy_async_shared();
     consumers_sync();
 
-    // dQ of kDqMTiles m64 query tiles (a 64-query span of dS^T each), kDqCols = 64 columns
-    // (bwd_sm90_config.cuh): split by columns, all kBlockN keys and span wg of K; by rows, all keys and the
-    // warpgroup's query span wg of dS^T; by keys, this warpgroup's 64 keys, every query and column.
-    // Transposed: one m64 (columns 64 wg..) x n kBlockM (queries) GEMM over all keys.
-    constexpr int kDqMTiles = kDqT ? 1 : Traits::kDqRows / 64, kDqVals = kDqT ? kBlockM / 2 : 32;
-    static_assert(Traits::kDqCols == 64, "one 64-column dQ GEMM a warpgroup and step");
     if constexpr (!kDvBeforeDs) {
       ptx::wgmma_wait<0>();  // dV has retired (it ran during the barrier): P's fragments make room for dQ
 #pragma unroll
       for (int kk = 0; kk < kQSteps; ++kk) ptx::fence_operand(pa[kk]);
     }
-    float dq[kDqMTiles][kDqVals];
-    const uint32_t ds_a = Traits::kDqSplitKeys   ? ds_addr + 64 * wg * 128
-                          : Traits::kDqSplitRows ? ds_addr + wg * kBlockN * 128
-                                                 : ds_addr;
-    const uint32_t k_b = Traits::kDqSplitKeys   ? k_addr + 64 * wg * 128
-                         : Traits::kDqSplitRows ? k_addr
-                                                : k_addr + wg * kBlockN * 128;
-    auto issue_dq = [&] {
-      ptx::wgmma_fence();
-      if constexpr (kDqT) {
-        // A = K^T: the K tile's column span wg, rows = keys (MN-major); B = dS: rows = queries, K-major.
-#pragma unroll
-        for (int kk = 0; kk < kBlockN / 16; ++kk)
-          MmaDQ::ss_amn(dq[0], mnmajor_desc(k_addr + wg * kBlockN * 128, kBlockN, kk),
-                        kmajor_desc(ds_addr, kBlockM, 0, kk), kk > 0);
-      } else {
-#pragma unroll
-        for (int mt = 0; mt < kDqMTiles; ++mt) {
-#pragma unroll
-          for (int kk = 0; kk < Traits::kDqKeys / 16; ++kk)
-            MmaDQ::ss_mn(dq[mt], mnmajor_desc(ds_a + mt * kBlockN * 128, kBlockN, kk),
-                         mnmajor_desc(k_b, kBlockN, kk), kk > 0);
-        }
-      }
-      ptx::wgmma_commit();
-    };
-    // dQ (rows: queries m0 + dq_row0(wg) + 64 mt + warp_row + g (+ 8)) to the staging tile, without the softmax
-    // scale (the post-pass applies it: bwd_sm90_launch.cuh kBwdDqAccum).
-    // Transposed, dq[0][4 ni + 2 h + e] is dQ of query 8 ni + 2t + e, column warp_row + g + 8 h (of the chunk):
-    // scalar stores, conflict-free (the 8 g's take two chunks, XORed with the four rows 2t + e: 8 distinct
-    // chunks); n8 tile ni is 8 rows (256 floats) further with the same swizzle.
-    auto stage_dq = [&] {
-      if constexpr (kDqT) {
-#pragma unroll
-        for (int h = 0; h < 2; ++h) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int offset = dq_staging_offset<Traits::kDqRows>(2 * t + e, warp_row + g + 8 * h);
-#pragma unroll
-            for (int ni = 0; ni < kBlockM / 8; ++ni) dq_stage[offset + ni * 8 * 32] = dq[0][4 * ni + 2 * h + e];
-          }
-        }
-      } else {
-        const int offset0 = dq_staging_offset<Traits::kDqRows>(warp_row + g, 2 * t);  // ni = 0, h = 0, mt = 0
-#pragma unroll
-        for (int mt = 0; mt < kDqMTiles; ++mt) {
-#pragma unroll
-          for (int half = 0; half < 2; ++half) {
-#pragma unroll
-            for (int ni = 0; ni < 8; ++ni)
-              *reinterpret_cast<float2*>(dq_stage + mt * 64 * 32 +
-                                         dq_pair_offset<Traits::kDqRows>(offset0, ni, half)) =
-                  make_float2(dq[mt][4 * ni + 2 * half], dq[mt][4 * ni + 2 * half + 1]);
-          }
-        }
-      }
-    };
-    issue_dq();
+    typename BwdDqStep<Traits>::Acc dq;
+    dq_step.issue(dq, ds_addr);
     // dK next: it runs on the tensor cores while dQ is staged and handed to TMA below.
     ptx::wgmma_fence();
 #pragma unroll
@@ -496,7 +389,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     ptx::wgmma_commit();
     ptx::wgmma_wait<1>();  // groups retire in order: dV and dQ are done
 #pragma unroll
-    for (int mt = 0; mt < kDqMTiles; ++mt) ptx::fence_operand(dq[mt]);
+    for (int mt = 0; mt < BwdDqStep<Traits>::kMTiles; ++mt) ptx::fence_operand(dq[mt]);
     ptx::fence_operand(dv);
 #pragma unroll
     for (int kk = 0; kk < kQSteps; ++kk) ptx::fence_operand(pa[kk]);
@@ -504,7 +397,7 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     // The staged tile: each warp signals dq_full, and the dQ writer (bwd_sm90_producer.cuh) adds the tile to the
     // accumulator through TMA: bulk transfers instead of 8192 atomics, and no consumer waits for another.
     ptx::mbarrier_wait(&smem.dq_empty[wg], ptx::empty_parity(step));  // the writer has read the previous step's
-    stage_dq();  // handed off at the next step's start (hand_off_dq)
+    dq_step.stage(dq);  // handed off at the next step's start (hand_off_dq)
     ptx::wgmma_wait<0>();
     ptx::fence_operand(dk);
 #pragma unroll

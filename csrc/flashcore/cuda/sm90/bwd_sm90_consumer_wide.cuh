@@ -24,7 +24,8 @@
 #include "../ptx/tma.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "../ptx/wgmma_sm90.cuh"
-#include "bwd_sm90_consumer.cuh"          // BwdRowStats, dq_staging_offset, kBwdConsumerBarrier
+#include "bwd_sm90_consumer.cuh"          // BwdRowStats, kBwdConsumerBarrier
+#include "bwd_sm90_dq.cuh"                // dq_staging_offset
 #include "bwd_sm90_traits.cuh"
 #include "smem_desc.cuh"
 
