@@ -22,9 +22,19 @@ namespace flashcore::sm90 {
 // softmax scale, which the post-pass applies once (a multiply a value and step fewer in the consumers).
 constexpr cuda::DqAccumLayout kBwdDqAccum = {/*cols_exact=*/true, /*unscaled=*/true};
 
+// The entry's shared memory (BwdKernelEntry::smem_bytes, checked against the device's limit): the most any of its
+// kernels takes (dense and varlen, 64-row and wide-step).
 template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr int bwd_smem_bytes() {
-  return BwdSm90Traits<kHeadDim, Element, kScoreMod>::kSmemBytes;
+  constexpr int kDense = BwdSm90Traits<kHeadDim, Element, kScoreMod>::kSmemBytes;
+  constexpr int kVarlen = BwdSm90Traits<kHeadDim, Element, kScoreMod, true>::kSmemBytes;
+  constexpr int kNarrow = kDense > kVarlen ? kDense : kVarlen;
+  if constexpr (!kScoreMod && BwdSm90Config<kHeadDim>::kWideBlockM > 0) {
+    constexpr int kWide = BwdSm90Traits<kHeadDim, Element, false, true, true>::kSmemBytes;  // varlen: the larger
+    return kWide > kNarrow ? kWide : kNarrow;
+  } else {
+    return kNarrow;
+  }
 }
 
 template <int kHeadDim, typename Element, bool kScoreMod>
