@@ -555,7 +555,7 @@ def run_mode(shape: Shape, mode: str, backends: list[Backend], args, device: str
             else:
                 results[be.name] = res
                 live.append(be)
-                if be.name == "flashcore" and hasattr(flashcore, "last_kernel"):  # the kernels that really ran
+                if be.name.startswith("flashcore") and hasattr(flashcore, "last_kernel"):  # the kernels that ran
                     r["kernel"] = flashcore.last_kernel("fwd") + (
                         f" / bwd {flashcore.last_kernel('bwd')}" if mode == FWDBWD else "")
         rec["backends"][be.name] = r

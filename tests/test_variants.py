@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import flashcore
-from conftest import (assert_ran, check_close, check_gradients, check_lse, cuda_skip_reason, lowp_attention,
-                      lowp_dsinks, lowp_lse, make_generator, randn, reference_attention)
+from conftest import (assert_ran, check_close, check_gradients, check_lse, cuda_skip_reason, gpu_families,
+                      lowp_attention, lowp_dsinks, lowp_lse, make_generator, randn, reference_attention)
 
 requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
 
@@ -198,6 +198,23 @@ def test_variant_backward_cuda(request, bwd_path, variant, shape, dtype):
     q, k, v, kw, ref = make_case(request, "cuda", dtype, *shape, VARIANTS[variant])
     run_backward(q, k, v, kw, ref)
     assert_ran("bwd", bwd_path)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if v.startswith(("window", "sinks"))])
+@pytest.mark.parametrize("shape", [GPU_SHAPES[1], GPU_SHAPES[3]], ids=lambda s: "x".join(map(str, s)))
+def test_variant_backward_64_row_steps_cuda(request, monkeypatch, variant, shape):
+    """The Hopper backward's 64-row kernels at head-dim tiles 96 and 128 (FLASHCORE_BWD_WIDE_STEPS=0; the 80-row
+    ones run by default and in the test above) with windows, causal and sinks."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the 64-row alternative is sm90's")
+    monkeypatch.setenv("FLASHCORE_FORCE_BWD", "sm90")
+    monkeypatch.setenv("FLASHCORE_BWD_WIDE_STEPS", "0")
+    q, k, v, kw, ref = make_case(request, "cuda", torch.bfloat16, *shape, VARIANTS[variant])
+    run_backward(q, k, v, kw, ref)
+    ran = assert_ran("bwd", "sm90")
+    assert not ran.endswith(" m80"), ran
 
 
 @pytest.mark.gpu

@@ -15,9 +15,9 @@ enum class DType { kFp16, kBf16 };
 
 using FwdLaunchFn = void (*)(const FwdParams&, cudaStream_t);
 // dsum: (batch * heads_q * seqlen_q) fp32 rowsum(dO * O) from the pre-pass; dq_accum: (batch * heads_q,
-// seqlen_q rounded up to block_m, head_dim_tile or head_dim: BwdKernelEntry::dq_accum) fp32, zeroed,
-// receives dQ (times the softmax scale unless BwdKernelEntry::dq_accum.unscaled); padded so that every query block's
-// dQ tile is whole.
+// seqlen_q rounded up to block_m, or wide_block_m for launch_wide, head_dim_tile or head_dim:
+// BwdKernelEntry::dq_accum) fp32, zeroed, receives dQ (times the softmax scale unless
+// BwdKernelEntry::dq_accum.unscaled); padded so that every query block's dQ tile is whole.
 using BwdLaunchFn = void (*)(const BwdParams&, const float* dsum, float* dq_accum, cudaStream_t);
 
 struct FwdKernelEntry {

@@ -1,5 +1,5 @@
 // Consumer warpgroups of the Hopper backward kernel. Warpgroup w owns keys [n0 + 64 w, +64) of the block and keeps
-// their dK and dV in registers. A step (kBlockM = 64 or 128 query rows of one head) works transposed, keys as the
+// their dK and dV in registers. A step (kBlockM = 64, 80 or 128 query rows of one head) works transposed, keys as the
 // M dimension, so that P^T and dS^T come out of the accumulators already in the A-operand layout of the dV and dK
 // GEMMs:
 //   S^T  = K_w Q^T,  dP^T = V_w dO^T                (wgmma, both operands in shared memory)

@@ -2,7 +2,7 @@
 // where the warpgroup's dS fragments go in shared memory, the dQ GEMM of its share (bwd_sm90_config.cuh kDqSplit)
 // and the staging of its dQ for the dQ writer (bwd_sm90_producer.cuh). Two layouts:
 //   64- and 128-row steps: dS^T stored key-major (stmatrix), dQ = dS K as m64n64 GEMMs (dS^T and K read MN-major);
-//   80-row steps (BwdSm90Traits::kDqTransposed): dS stored query-major (stmatrix.trans), dQ^T = K^T dS as one
+//   80-row steps (BwdSm90Traits::kDqTransposed): dS stored query-major (stmatrix.trans), dQ^T = K^T dS^T as one
 //   m64n80 GEMM (K read M-major as A, dS K-major as B), 64 head-dim columns a warpgroup.
 // dQ is staged without the softmax scale (the post-pass applies it: bwd_sm90_launch.cuh kBwdDqAccum).
 #pragma once

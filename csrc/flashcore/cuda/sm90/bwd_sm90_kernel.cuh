@@ -1,7 +1,7 @@
 // Hopper backward kernel (sm_90a): warp-specialized, TMA-fed, wgmma FlashAttention backward.
 //
 // One block per (key block of kBlockN = 64 x kWarpgroups keys, batch, kv head), like the mma.sync backward: the
-// block walks every step (query head of the group, 64-row query block) that can see its keys, so GQA's sum of
+// block walks every step (query head of the group, query block of kBlockM rows) that can see its keys, so GQA's sum of
 // dK/dV over the group happens in registers and dK/dV are written once, without atomics. Warpgroups:
 //   producer (the last, one elected thread; setmaxnreg gives its registers away): K and V once, then Q and dO of
 //     each step into a kStages ring guarded by full/empty mbarriers (bwd_sm90_producer.cuh);

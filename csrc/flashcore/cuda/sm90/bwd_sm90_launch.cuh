@@ -92,7 +92,14 @@ constexpr cuda::BwdLaunchFn bwd_varlen_wide_launcher();
 
 template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr int bwd_wide_block_m() {
-  return kScoreMod ? 0 : BwdSm90Config<kHeadDim>::kWideBlockM;
+  if constexpr (!kScoreMod && BwdSm90Config<kHeadDim>::kWideBlockM > 0) {
+    // The host pads dq_accum to this; the launcher and the dQ writer walk it by the kernel's own kBlockM.
+    static_assert(BwdSm90Traits<kHeadDim, Element, false, false, true>::kBlockM ==
+                  BwdSm90Config<kHeadDim>::kWideBlockM);
+    return BwdSm90Config<kHeadDim>::kWideBlockM;
+  } else {
+    return 0;
+  }
 }
 
 // A variable-length batch (seqlen.h): the plain or score-mod variant built for varlen, one block per (key block of
