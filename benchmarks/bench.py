@@ -337,8 +337,14 @@ def backend_registry(device: str) -> dict[str, Backend]:
     return reg
 
 
+def switch_settings(name: str) -> dict:
+    """The switches of a 'flashcore@NAME=VALUE[+NAME=VALUE]' backend name, as {NAME: VALUE}."""
+    return dict(kv.split("=", 1) for kv in name.split("@", 1)[1].split("+"))
+
+
 @contextlib.contextmanager
-def _environment(env: dict):
+def environment(env: dict):
+    """os.environ updated with env inside the block, restored after."""
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
@@ -355,8 +361,8 @@ def switched_flashcore(base: Backend, name: str) -> Backend:
     """'flashcore@NAME=VALUE[+NAME=VALUE]': flashcore with run-time switches (csrc/flashcore/switches.h) set around
     each of its calls, for an A/B of two paths in the same interleaved rounds, e.g.
     flashcore,flashcore@FLASHCORE_BWD_WIDE_STEPS=0."""
-    env = dict(kv.split("=", 1) for kv in name.split("@", 1)[1].split("+"))
-    return dataclasses.replace(base, name=name, context=lambda: _environment(env))
+    env = switch_settings(name)
+    return dataclasses.replace(base, name=name, context=lambda: environment(env))
 
 
 DEFAULT_BACKENDS = {

@@ -29,6 +29,7 @@ if ROOT not in sys.path:  # an in-place build (not pip-installed) is found too
     sys.path.append(ROOT)
 
 import flashcore  # noqa: E402 - registers torch.ops.flashcore
+from bench import environment, switch_settings  # noqa: E402 (benchmarks/bench.py, next to this file)
 
 # What flash_attn_with_kvcache calls once any new k/v are in the cache: the decode op itself.
 kvcache_fwd = torch.ops.flashcore.kvcache_fwd.default
@@ -131,21 +132,13 @@ def main():
         for name in backends:  # flashcore@NAME=VALUE[,...]: flashcore with switches set while its graph is captured
             if not name.startswith("flashcore@"):
                 continue
-            env = dict(kv.split("=", 1) for kv in name.split("@", 1)[1].split("+"))
+            env = switch_settings(name)
             scale = D ** -0.5
 
             def with_env(env=env, scale=scale):
-                saved = {k: os.environ.get(k) for k in env}
-                os.environ.update(env)
-                try:
+                with environment(env):
                     return kvcache_fwd(q, kc, vc, lens, table, None, None, scale, True, -1, -1, 0.0, None, None,
                                        args.num_splits)
-                finally:
-                    for k, v0 in saved.items():
-                        if v0 is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v0
             runs[name] = with_env
         if "sdpa" in backends and not page:
             qs = q.transpose(1, 2)
