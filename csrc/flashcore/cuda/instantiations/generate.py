@@ -56,8 +56,8 @@ for (kind, family), hdims in KERNELS.items():
                 tile = f", flashcore::sm90::bwd_varlen_tile<{varlen_args}>()" if family == "sm90" else ""
                 # sm90 backward: and the wide-step launchers (nullptr where there are none).
                 if family == "sm90":
-                    tile += (f", flashcore::sm90::bwd_wide_launcher<{varlen_args}>(),"
-                             f" flashcore::sm90::bwd_varlen_wide_launcher<{varlen_args}>(),"
+                    tile += (f", flashcore::sm90::bwd_wide_launcher<{varlen_args}, false>(),"
+                             f" flashcore::sm90::bwd_wide_launcher<{varlen_args}, true>(),"
                              f" flashcore::sm90::bwd_wide_block_m<{varlen_args}>()")
                 fwd_varlen = f", &flashcore::{family}::launch_fwd_varlen<{varlen_args}>" if with_varlen else ""
                 bwd_varlen = f", &flashcore::{family}::launch_bwd_varlen<{varlen_args}>{tile}" if with_varlen else ""

@@ -24,12 +24,19 @@ constexpr cuda::DqAccumLayout kBwdDqAccum = {/*cols_exact=*/true, /*unscaled=*/t
 
 // The entry's shared memory (BwdKernelEntry::smem_bytes, checked against the device's limit): the most any of its
 // kernels takes (dense and varlen, 64-row and wide-step).
+// Whether an entry has wide-step kernels (BwdSm90Traits::kWideSteps): the plain variant of a head dim with
+// BwdSm90Config::kWideBlockM.
+template <int kHeadDim, bool kScoreMod>
+constexpr bool has_wide_steps() {
+  return !kScoreMod && BwdSm90Config<kHeadDim>::kWideBlockM > 0;
+}
+
 template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr int bwd_smem_bytes() {
   constexpr int kDense = BwdSm90Traits<kHeadDim, Element, kScoreMod>::kSmemBytes;
   constexpr int kVarlen = BwdSm90Traits<kHeadDim, Element, kScoreMod, true>::kSmemBytes;
   constexpr int kNarrow = kDense > kVarlen ? kDense : kVarlen;
-  if constexpr (!kScoreMod && BwdSm90Config<kHeadDim>::kWideBlockM > 0) {
+  if constexpr (has_wide_steps<kHeadDim, kScoreMod>()) {
     constexpr int kWide = BwdSm90Traits<kHeadDim, Element, false, true, true>::kSmemBytes;  // varlen: the larger
     return kWide > kNarrow ? kWide : kNarrow;
   } else {
@@ -77,22 +84,10 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// The wide-step launcher of this entry (BwdKernelEntry::launch_wide) and its query rows a tile, where its head dim
-// has one (BwdSm90Config::kWideBlockM): the plain kernel only.
-template <int kHeadDim, typename Element, bool kScoreMod>
-constexpr cuda::BwdLaunchFn bwd_wide_launcher() {
-  if constexpr (!kScoreMod && BwdSm90Config<kHeadDim>::kWideBlockM > 0)
-    return &launch_bwd<kHeadDim, Element, false, true>;
-  else
-    return nullptr;
-}
-
-template <int kHeadDim, typename Element, bool kScoreMod>
-constexpr cuda::BwdLaunchFn bwd_varlen_wide_launcher();
-
+// The entry's query rows a step of its wide-step kernels (BwdKernelEntry::wide_block_m), or 0 where it has none.
 template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr int bwd_wide_block_m() {
-  if constexpr (!kScoreMod && BwdSm90Config<kHeadDim>::kWideBlockM > 0) {
+  if constexpr (has_wide_steps<kHeadDim, kScoreMod>()) {
     // The host pads dq_accum to this; the launcher and the dQ writer walk it by the kernel's own kBlockM.
     static_assert(BwdSm90Traits<kHeadDim, Element, false, false, true>::kBlockM ==
                   BwdSm90Config<kHeadDim>::kWideBlockM);
@@ -136,12 +131,15 @@ void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, c
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-template <int kHeadDim, typename Element, bool kScoreMod>
-constexpr cuda::BwdLaunchFn bwd_varlen_wide_launcher() {
-  if constexpr (!kScoreMod && BwdSm90Config<kHeadDim>::kWideBlockM > 0)
+// The entry's wide-step launcher, dense (BwdKernelEntry::launch_wide) or varlen (launch_varlen_wide), or nullptr.
+template <int kHeadDim, typename Element, bool kScoreMod, bool kVarlen>
+constexpr cuda::BwdLaunchFn bwd_wide_launcher() {
+  if constexpr (!has_wide_steps<kHeadDim, kScoreMod>())
+    return nullptr;
+  else if constexpr (kVarlen)
     return &launch_bwd_varlen<kHeadDim, Element, false, true>;
   else
-    return nullptr;
+    return &launch_bwd<kHeadDim, Element, false, true>;
 }
 
 }  // namespace flashcore::sm90
