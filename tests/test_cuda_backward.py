@@ -226,3 +226,37 @@ def test_backward_wide_steps(request, monkeypatch, dtype, head_dim, shape, causa
         assert ran.endswith(" m80") == (wide == "1"), ran
     check_grads(runs["1"], q, k, v, dout, causal, dtype=dtype)
     check_grads(runs["0"], q, k, v, dout, causal, dtype=dtype)
+
+
+@pytest.mark.parametrize("case", ["gqa", "padded_dim", "hd64_causal_unseen_keys", "softcap", "hd96_strided"])
+def test_backward_tma_epilogue(request, monkeypatch, case):
+    """The Hopper backward writes dK and dV through shared memory and TMA stores (rows past seqlen_k and columns
+    past head_dim dropped by TMA; blocks no query sees store zeros): bitwise equal to the direct stores
+    (FLASHCORE_BWD_TMA_EPILOGUE=0) on the same inputs, and within the rule against float64."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the TMA epilogue is sm90's")
+    monkeypatch.delenv("FLASHCORE_FORCE_BWD", raising=False)
+    shape, D, causal, kw, layout = {
+        "gqa": ((2, 4, 2, 300, 190), 128, False, {}, "bhsd"),
+        "padded_dim": ((1, 2, 2, 77, 1000), 112, False, {}, "bshd"),
+        "hd64_causal_unseen_keys": ((1, 2, 1, 100, 400), 64, True, {}, "bhsd"),
+        "softcap": ((1, 3, 3, 200, 333), 128, True, {"softcap": 20.0}, "bhsd"),
+        "hd96_strided": ((2, 2, 2, 129, 257), 96, False, {}, "padded"),
+    }[case]
+    B, Hq, Hkv, Sq, Sk = shape
+    g = make_generator(request, DEV)
+    q = randn((B, Hq, Sq, D), torch.bfloat16, g, DEV, layout=layout).detach().requires_grad_()
+    k = randn((B, Hkv, Sk, D), torch.bfloat16, g, DEV, layout=layout).detach().requires_grad_()
+    v = randn((B, Hkv, Sk, D), torch.bfloat16, g, DEV, layout=layout).detach().requires_grad_()
+    dout = randn((B, Hq, Sq, D), torch.bfloat16, g, DEV)
+    runs = {}
+    for tma in ("1", "0"):
+        monkeypatch.setenv("FLASHCORE_BWD_TMA_EPILOGUE", tma)
+        out = flashcore.attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv, **kw)
+        runs[tma] = torch.autograd.grad(out, (q, k, v), dout)
+        assert_ran("bwd", "sm90")
+    assert torch.equal(runs["1"][1], runs["0"][1]) and torch.equal(runs["1"][2], runs["0"][2])
+    if case == "hd64_causal_unseen_keys":
+        assert (runs["1"][1][:, :, Sq:] == 0).all() and (runs["1"][2][:, :, Sq:] == 0).all()
+    if not kw:
+        check_grads(runs["1"], q, k, v, dout, causal, dtype=torch.bfloat16)

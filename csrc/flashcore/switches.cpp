@@ -65,6 +65,11 @@ bool bwd_wide_steps_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+bool bwd_tma_epilogue_enabled() {
+  const char* v = env("FLASHCORE_BWD_TMA_EPILOGUE");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 int decode_tma_forced() {
   const char* v = env("FLASHCORE_DECODE_TMA");
   if (v == nullptr) return -1;

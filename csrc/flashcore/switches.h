@@ -15,6 +15,8 @@
 //                                               max_seqlen_k's blocks each, not longest first on a packed grid (A/B)
 //   FLASHCORE_BWD_WIDE_STEPS=0                  the sm90 backward at head-dim tiles 96 and 128 takes 64-row steps,
 //                                               not its 80-row kernel (A/B)
+//   FLASHCORE_BWD_TMA_EPILOGUE=0                the sm90 backward stores dK/dV from registers, not through shared
+//                                               memory and TMA (A/B)
 //   FLASHCORE_DECODE_LONGEST_FIRST=0            the KV-cache kernel's blocks take their batch entries in index
 //                                               order, not longest first (A/B)
 //   FLASHCORE_DECODE_TMA=0|1                    the KV-cache kernel's loader on Hopper: 0 cp.async everywhere, 1 TMA
@@ -36,6 +38,7 @@ bool check_varlen_offsets();
 bool varlen_schedule_enabled();
 bool decode_longest_first_enabled();
 bool bwd_wide_steps_enabled();
+bool bwd_tma_epilogue_enabled();
 int decode_tma_forced();      // -1 when not forced, else 0 or 1; throws on a malformed value
 
 }  // namespace flashcore

@@ -24,6 +24,7 @@
 #include "../common/fragment_score_mod.cuh"
 #include "../common/pack.cuh"
 #include "../ptx/mbarrier.cuh"
+#include "../ptx/stmatrix.cuh"
 #include "../ptx/tma.cuh"
 #include "../ptx/warpgroup.cuh"
 #include "../ptx/wgmma_sm90.cuh"
@@ -35,6 +36,9 @@ namespace flashcore::sm90 {
 
 // Hardware barrier of the consumer threads (the producer never uses it); 0 is __syncthreads.
 constexpr uint32_t kBwdConsumerBarrier = 1;
+// The TMA epilogue's barrier of both consumer warpgroups: its own id, since with dQ split by keys barriers 1 and 2
+// are the warpgroups' private step barriers, and one warpgroup may reach the epilogue steps ahead of the other.
+constexpr uint32_t kBwdEpilogueBarrier = 3;
 
 // Packs an m64nN fp32 accumulator (this thread's N / 2 values) into the N / 16 k16 A fragments of the next GEMM.
 template <typename Element, int kVals>
@@ -200,6 +204,48 @@ __device__ __forceinline__ void write_dk_dv(const float (&dk)[kCols / 2], const 
   }
 }
 
+// Epilogue through shared memory and TMA (dense kernels whose dK and dV TMA can describe): each warpgroup packs
+// its dK (scaled) and dV to 16 bits and writes them with stmatrix into its 64 rows of the K and V tiles, in the
+// layout they were loaded in (free once both warpgroups' last GEMMs retired: dQ reads every row of K); then one
+// thread a warpgroup stores 64 x 64 boxes, which TMA writes as whole 128-byte lines, dropping rows past seqlen_k
+// and columns past head_dim. The direct stores (write_dk_dv) write 16 bytes of a row per instruction.
+template <typename Traits>
+__device__ __forceinline__ void write_dk_dv_tma(float (&dk)[Traits::kHeadDim / 2], float (&dv)[Traits::kHeadDim / 2],
+                                                const BwdParams& p, const BwdBlock& blk,
+                                                const BwdSharedStorage<Traits>& smem, const CUtensorMap* tm_dk,
+                                                const CUtensorMap* tm_dv, int tid) {
+  using Element = typename Traits::Element;
+  constexpr int kFrags = Traits::kHeadDim / 16;
+  const int lane = tid & 31, wg = ptx::warpgroup_index(tid), warp_row = ((tid >> 5) & 3) * 16;
+#pragma unroll
+  for (int i = 0; i < Traits::kHeadDim / 2; ++i) dk[i] *= p.scale;
+  uint32_t frag[kFrags][4];
+  // Lane l addresses row l % 8 + 8 ((l / 8) % 2) of the warp's 16 keys, 8-column half l / 16 of block kk (the
+  // stmatrix.x4 order of an A fragment, as for dS^T in bwd_sm90_dq.cuh).
+  const int row = 64 * wg + warp_row + (lane & 7) + (lane & 8);
+  ptx::named_barrier_sync(kBwdEpilogueBarrier, Traits::kConsumerThreads);  // every GEMM reading K and V retired
+  pack_a_fragments<Element>(dk, frag);
+#pragma unroll
+  for (int kk = 0; kk < kFrags; ++kk)
+    ptx::stmatrix_x4(ptx::smem_addr(smem.k + Traits::KVTile::chunk_offset(row, 2 * kk + (lane >> 4))), frag[kk]);
+  pack_a_fragments<Element>(dv, frag);
+#pragma unroll
+  for (int kk = 0; kk < kFrags; ++kk)
+    ptx::stmatrix_x4(ptx::smem_addr(smem.v + Traits::KVTile::chunk_offset(row, 2 * kk + (lane >> 4))), frag[kk]);
+  ptx::fence_proxy_async_shared();  // the stores, visible to TMA
+  ptx::named_barrier_sync(kBwdEpilogueBarrier, Traits::kConsumerThreads);
+  if (tid % 128 == 0) {
+#pragma unroll
+    for (int span = 0; span < Traits::kSpans; ++span) {
+      const int offset = span * Traits::kBlockN * 64 + 64 * wg * 64;
+      ptx::tma_store_4d(tm_dk, smem.k + offset, span * 64, blk.n0 + 64 * wg, (int)blk.h_kv, (int)blk.b);
+      ptx::tma_store_4d(tm_dv, smem.v + offset, span * 64, blk.n0 + 64 * wg, (int)blk.h_kv, (int)blk.b);
+    }
+    ptx::bulk_commit_group();
+    ptx::bulk_wait_group_read<0>();  // shared memory stays valid until TMA has read it
+  }
+}
+
 // Varlen: the band the consumers mask with, their sequence's, which the first thread of each warpgroup copies to
 // the warpgroup's shared slot (the consumers have no registers to hold it across their loop). The copy is read
 // only after the warpgroup's first barrier; until then (the block's unmasked tiles) blk.band serves. Dense
@@ -234,10 +280,12 @@ __device__ __forceinline__ void zero_kv_past_end(const BwdBlock& blk, const BwdS
   ptx::fence_proxy_async_shared();
 }
 
+// tm_dk / tm_dv: dK and dV's tensor maps for the TMA epilogue, or nullptr for the direct stores (varlen kernels,
+// or tensors TMA cannot describe).
 template <typename Traits>
 __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& blk,
                                             const BwdSharedStorage<Traits>& smem, const float* __restrict__ dsum,
-                                            const CUtensorMap* /*tm_dq: the dQ writer's*/) {
+                                            const CUtensorMap* tm_dk, const CUtensorMap* tm_dv) {
   using Element = typename Traits::Element;
   constexpr int kHeadDim = Traits::kHeadDim, kBlockM = Traits::kBlockM, kBlockN = Traits::kBlockN;
   constexpr int kStages = Traits::kStages, kKSteps = kHeadDim / 16;
@@ -407,7 +455,10 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   }
   if (blk.steps > 0) hand_off_dq();  // the last step's
 
-  write_dk_dv<Element, kHeadDim, Traits::kVarlen>(dk, dv, p, blk, key_lo, 0, t);
+  if (!Traits::kVarlen && tm_dk != nullptr)
+    write_dk_dv_tma<Traits>(dk, dv, p, blk, smem, tm_dk, tm_dv, tid);
+  else
+    write_dk_dv<Element, kHeadDim, Traits::kVarlen>(dk, dv, p, blk, key_lo, 0, t);
 }
 
 }  // namespace flashcore::sm90

@@ -32,7 +32,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     bwd_sm90_kernel(const __grid_constant__ BwdParams p, const __grid_constant__ CUtensorMap tm_q,
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                     const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_dq,
-                    const float* __restrict__ dsum, const int num_n_blocks) {
+                    const __grid_constant__ CUtensorMap tm_dk, const __grid_constant__ CUtensorMap tm_dv,
+                    const float* __restrict__ dsum, const int num_n_blocks, const bool tma_epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   BwdSharedStorage<Traits> smem(smem_raw);
@@ -81,7 +82,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     if constexpr (Traits::kSplitHeadDim)
       consume_bwd_wide<Traits>(p, blk, smem, dsum);
     else
-      consume_bwd<Traits>(p, blk, smem, dsum, &tm_dq);
+      consume_bwd<Traits>(p, blk, smem, dsum, tma_epilogue ? &tm_dk : nullptr, tma_epilogue ? &tm_dv : nullptr);
   }
 #endif
 }

@@ -10,6 +10,7 @@
 #include <type_traits>
 
 #include "../../params.h"
+#include "../../switches.h"
 #include "../kernel_registry.h"
 #include "../launch_utils.cuh"
 #include "bwd_sm90_kernel.cuh"
@@ -77,10 +78,21 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
   const int64_t dq_rows = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM * Traits::kBlockM;
   const CUtensorMap tm_dq = make_tensor_map_f32_2d(dq_accum, p.batch * p.heads_q * dq_rows, p.head_dim,
                                                    Traits::kDqBoxCols, Traits::kDqBoxRows);
+  // dK and dV through shared memory and TMA stores (consume_bwd) where TMA can describe them (grad_key/grad_value
+  // take the inputs' strides) and the switch allows; the split-head-dim consumers store directly.
+  const bool tma_epilogue = !Traits::kSplitHeadDim && bwd_tma_epilogue_enabled() &&
+                            tma_compatible(p.dk, p.dk_stride, p.batch, p.heads_kv, p.seqlen_k) &&
+                            tma_compatible(p.dv, p.dv_stride, p.batch, p.heads_kv, p.seqlen_k);
+  const CUtensorMap tm_dk = tma_epilogue ? make_tensor_map_bhsd(p.dk, p.dk_stride, p.batch, p.heads_kv, p.seqlen_k,
+                                                                p.head_dim, 64, kBf16)
+                                         : tm_k;
+  const CUtensorMap tm_dv = tma_epilogue ? make_tensor_map_bhsd(p.dv, p.dv_stride, p.batch, p.heads_kv, p.seqlen_k,
+                                                                p.head_dim, 64, kBf16)
+                                         : tm_v;
   const int num_n_blocks = (int)((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
   const int64_t grid = (int64_t)num_n_blocks * p.batch * p.heads_kv;  // the dispatcher checked grid <= INT32_MAX
-  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq,
-                                                                            dsum, num_n_blocks);
+  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(
+      p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, dsum, num_n_blocks, tma_epilogue);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -126,8 +138,9 @@ void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, c
   // larger than the latter, which the dispatcher checked against INT32_MAX.
   const int64_t grid = p.varlen.tile_end != nullptr ? p.varlen.grid_tiles * p.heads_kv
                                                     : (int64_t)num_n_blocks * p.batch * p.heads_kv;
-  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(p, tm_q, tm_k, tm_v, tm_do, tm_dq,
-                                                                            dsum, num_n_blocks);
+  // Varlen keeps the direct dK/dV stores: a box past a sequence's last key would write the next sequence's rows.
+  kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(
+      p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_k, tm_v, dsum, num_n_blocks, /*tma_epilogue=*/false);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
