@@ -4,79 +4,99 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace flashcore::cuda {
 namespace {
 
-constexpr int kWarpsPerBlock = 8;
-constexpr int kRowsPerWarp = 2;  // rows of one iteration: their loads are issued together
+constexpr int kThreads = 256;
+constexpr int kRowsPerThread = 2;  // rows of one iteration: their loads are issued together
 
-template <typename Element>
-__device__ __forceinline__ float row_dot(const BwdParams& p, int64_t bh, int64_t i, int lane) {
-  const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
-  const Element* o = static_cast<const Element*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head +
-                     i * p.out_stride.seq;
-  const Element* d = static_cast<const Element*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head +
-                     i * p.dout_stride.seq;
-  float acc = 0.f;
-  // head_dim <= 256 and a multiple of 8: at most one 16-byte chunk per lane; the host guarantees alignment.
-  const int c = lane * 8;
-  if (c < p.head_dim) {
-    const uint4 ov = *reinterpret_cast<const uint4*>(o + c);
-    const uint4 dv = *reinterpret_cast<const uint4*>(d + c);
-    const Element* oe = reinterpret_cast<const Element*>(&ov);
-    const Element* de = reinterpret_cast<const Element*>(&dv);
+// Block (x, y): query rows [x * kRowsPerBlock, +kRowsPerBlock) of (batch, head) pairs y, y + gridDim.y, ... (the
+// pair is divided once per block, not per row: the old one-warp-a-row kernel spent most of its instructions on
+// 64-bit row / dq_rows divisions). kThreadsPerRow lanes share a row, 8 elements (16 bytes) of O and dO each, and
+// zero its dq_cols floats as float4s; their partial dot products meet by shuffles within the lane group.
+template <typename Element, int kThreadsPerRow>
+__global__ void __launch_bounds__(kThreads)
+    bwd_prepass_kernel(const BwdParams p, float* __restrict__ dsum, float* __restrict__ dq_accum, int64_t dq_rows,
+                       int dq_cols) {
+  constexpr int kSlots = kThreads / kThreadsPerRow, kRowsPerBlock = kSlots * kRowsPerThread;
+  const int sub = threadIdx.x % kThreadsPerRow, slot = threadIdx.x / kThreadsPerRow;
+  const int col = sub * 8;
+  const int64_t pairs = p.batch * p.heads_q;
+  for (int64_t bh = blockIdx.y; bh < pairs; bh += gridDim.y) {
+    const int64_t b = bh / p.heads_q, h = bh % p.heads_q;
+    const Element* o = static_cast<const Element*>(p.out) + b * p.out_stride.batch + h * p.out_stride.head + col;
+    const Element* d = static_cast<const Element*>(p.dout) + b * p.dout_stride.batch + h * p.dout_stride.head + col;
+    float* dq = dq_accum + bh * dq_rows * dq_cols;
+    float* ds = dsum + bh * p.seqlen_q;
+    for (int64_t first = (int64_t)blockIdx.x * kRowsPerBlock; first < dq_rows;
+         first += (int64_t)gridDim.x * kRowsPerBlock) {
+      float acc[kRowsPerThread];
 #pragma unroll
-    for (int e = 0; e < 8; ++e) acc += static_cast<float>(oe[e]) * static_cast<float>(de[e]);
+      for (int r = 0; r < kRowsPerThread; ++r) {
+        const int64_t i = first + r * kSlots + slot;
+        acc[r] = 0.f;
+        // head_dim is a multiple of 8 and the host guarantees 16-byte alignment: one chunk a lane.
+        if (i < p.seqlen_q && col < p.head_dim) {
+          const uint4 ov = *reinterpret_cast<const uint4*>(o + i * p.out_stride.seq);
+          const uint4 dv = *reinterpret_cast<const uint4*>(d + i * p.dout_stride.seq);
+          const Element* oe = reinterpret_cast<const Element*>(&ov);
+          const Element* de = reinterpret_cast<const Element*>(&dv);
+#pragma unroll
+          for (int e = 0; e < 8; ++e) acc[r] += static_cast<float>(oe[e]) * static_cast<float>(de[e]);
+        }
+        if (i < dq_rows) {
+          float4* zero = reinterpret_cast<float4*>(dq + i * dq_cols);
+          for (int c = sub; c < dq_cols / 4; c += kThreadsPerRow) zero[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < kRowsPerThread; ++r) {
+#pragma unroll
+        for (int off = kThreadsPerRow / 2; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
+        const int64_t i = first + r * kSlots + slot;
+        if (sub == 0 && i < p.seqlen_q) ds[i] = acc[r];
+      }
+    }
   }
-  return acc;
+}
+
+template <typename Element, int kThreadsPerRow>
+void launch(const BwdParams& p, float* dsum, float* dq_accum, int64_t dq_rows, int dq_cols, cudaStream_t stream) {
+  constexpr int64_t kRowsPerBlock = kThreads / kThreadsPerRow * kRowsPerThread;
+  const int64_t tiles = (dq_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t pairs = p.batch * p.heads_q;
+  // Grid-stride in both dimensions: the grid stays within CUDA's limits for any row count.
+  const dim3 grid((unsigned)std::min<int64_t>(tiles, INT32_MAX), (unsigned)std::min<int64_t>(pairs, 65535));
+  bwd_prepass_kernel<Element, kThreadsPerRow><<<grid, kThreads, 0, stream>>>(p, dsum, dq_accum, dq_rows, dq_cols);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename Element>
-__global__ void __launch_bounds__(32 * kWarpsPerBlock)
-    bwd_prepass_kernel(const BwdParams p, float* dsum, float* dq_accum, int64_t dq_rows, int dq_cols) {
-  const int lane = threadIdx.x & 31;
-  const int64_t total = p.batch * p.heads_q * dq_rows;  // padded rows
-  const int64_t warps = (int64_t)gridDim.x * kWarpsPerBlock;
-  for (int64_t first = ((int64_t)blockIdx.x * kWarpsPerBlock + (threadIdx.x >> 5)) * kRowsPerWarp; first < total;
-       first += warps * kRowsPerWarp) {
-    float acc[kRowsPerWarp];
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-      const int64_t row = first + r;
-      const int64_t bh = row / dq_rows, i = row % dq_rows;
-      acc[r] = (row < total && i < p.seqlen_q) ? row_dot<Element>(p, bh, i, lane) : 0.f;
-      if (row < total) {
-        float4* zero = reinterpret_cast<float4*>(dq_accum + row * dq_cols);
-        for (int c = lane; c < dq_cols / 4; c += 32) zero[c] = make_float4(0.f, 0.f, 0.f, 0.f);
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRowsPerWarp; ++r) {
-#pragma unroll
-      for (int off = 16; off > 0; off >>= 1) acc[r] += __shfl_xor_sync(0xffffffffu, acc[r], off);
-      const int64_t row = first + r;
-      const int64_t bh = row / dq_rows, i = row % dq_rows;
-      if (lane == 0 && row < total && i < p.seqlen_q) dsum[bh * p.seqlen_q + i] = acc[r];
-    }
-  }
+void launch_for_head_dim(const BwdParams& p, float* dsum, float* dq_accum, int64_t dq_rows, int dq_cols,
+                         cudaStream_t stream) {
+  // The smallest power-of-two lane group whose 16-byte chunks cover the head dim (<= 256).
+  if (p.head_dim <= 32)
+    launch<Element, 4>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
+  else if (p.head_dim <= 64)
+    launch<Element, 8>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
+  else if (p.head_dim <= 128)
+    launch<Element, 16>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
+  else
+    launch<Element, 32>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
 }
 
 }  // namespace
 
 void launch_bwd_prepass(const BwdParams& p, bool bf16, float* dsum, float* dq_accum, int64_t dq_rows, int dq_cols,
                         cudaStream_t stream) {
-  const int64_t rows = p.batch * p.heads_q * dq_rows;
-  const int64_t rows_per_block = (int64_t)kWarpsPerBlock * kRowsPerWarp;
-  // Grid-stride: a few waves of blocks are enough to saturate memory bandwidth, and the grid never overflows.
-  const int64_t blocks_needed = (rows + rows_per_block - 1) / rows_per_block;
-  const unsigned blocks = (unsigned)(blocks_needed < 65536 ? blocks_needed : 65536);
+  if (p.batch * p.heads_q == 0 || dq_rows == 0) return;
   if (bf16)
-    bwd_prepass_kernel<__nv_bfloat16><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(p, dsum, dq_accum, dq_rows, dq_cols);
+    launch_for_head_dim<__nv_bfloat16>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
   else
-    bwd_prepass_kernel<__half><<<blocks, 32 * kWarpsPerBlock, 0, stream>>>(p, dsum, dq_accum, dq_rows, dq_cols);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+    launch_for_head_dim<__half>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
 }
 
 }  // namespace flashcore::cuda

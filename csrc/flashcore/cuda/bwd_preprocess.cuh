@@ -1,7 +1,8 @@
 // Backward pre-pass shared by the fused backward kernels, one pass over the query rows:
 //   dsum[b, h, i] = sum_d dO[b, h, i, d] * O[b, h, i, d] in fp32 (the row term of dS = P * (dP - dsum)), and
 //   the fp32 dQ accumulator zeroed (the kernels add into it), padded rows included.
-// One warp per row; each lane reads 16-byte chunks, two rows at a time so that more loads are in flight.
+// A group of 4-32 lanes per row (one 16-byte chunk of O and dO a lane), two rows a thread so that more loads are
+// in flight; the block walks rows of one (batch, head) pair, so no per-row division.
 #pragma once
 
 #include <cuda_runtime_api.h>
