@@ -6,6 +6,7 @@ process, interleaved round-robin over rounds (median of CUDA-event times).
     python benchmarks/varlen_bench.py                       # 16 causal sequences of 128..8192 tokens, hd128 bf16
     python benchmarks/varlen_bench.py --lens 512,512,4096 --heads 32 --head-dim 64 --no-causal
     python benchmarks/varlen_bench.py --short 10000          # 10 000 sequences of 1..64 tokens
+    python benchmarks/varlen_bench.py --ab FLASHCORE_BWD_TMA_EPILOGUE=0   # A/B of a switch in the same rounds
 
 TFLOP/s count the useful work: forward 4·H·D·(visible query-key pairs of each sequence), summed (causal: half of
 each sequence's square); the backward 2.5x that over t(fwd+bwd) − t(fwd). "dense per-seq" is the sum over the
@@ -21,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import flashcore
-from bench import time_events  # CUDA-event timing of one call at a time (benchmarks/bench.py)
+from bench import environment, switch_settings, time_events  # benchmarks/bench.py
 
 DEFAULT_LENS = [128, 256, 512, 1024, 1536, 1536, 2048, 2560, 3072, 4608, 4608, 5120, 6144, 7168, 7168, 8192]
 
@@ -47,6 +48,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--no-dense", action="store_true", help="skip the per-sequence dense rows (slow for --short)")
+    ap.add_argument("--ab", action="append", default=[], metavar="NAME=VALUE[+NAME=VALUE]",
+                    help="also flashcore varlen with these switches (csrc/flashcore/switches.h) set around its calls, "
+                         "in the same rounds (repeatable), e.g. --ab FLASHCORE_BWD_TMA_EPILOGUE=0")
     args = ap.parse_args()
 
     dev, dtype = "cuda", torch.bfloat16 if args.dtype == "bf16" else torch.float16
@@ -76,6 +80,10 @@ def main():
         return outs
 
     backends = {"flashcore varlen": fc}
+    envs = {}  # the switched rows' settings, set around their forward and backward
+    for ab in args.ab:
+        envs[f"flashcore varlen @{ab}"] = switch_settings("@" + ab)
+        backends[f"flashcore varlen @{ab}"] = fc
     if not args.no_dense:
         backends["flashcore dense per-seq"] = dense_per_seq
     fa4 = try_fa4()
@@ -113,8 +121,17 @@ def main():
         out = out[0] if isinstance(out, tuple) else out  # FA4 returns (out, lse)
         torch.autograd.grad(out, (q, k, v), dout)
 
-    fwd_steps = {name: f for name, f in backends.items()}
-    bwd_steps = {name: (lambda f=f: grad_step(f)) for name, f in backends.items() if not name.startswith("SDPA")}
+    def switched(name, step):
+        env = envs.get(name, {})
+
+        def run():
+            with environment(env):
+                return step()
+        return run
+
+    fwd_steps = {name: switched(name, f) for name, f in backends.items()}
+    bwd_steps = {name: switched(name, lambda f=f: grad_step(f)) for name, f in backends.items()
+                 if not name.startswith("SDPA")}
 
     results = {name: {"fwd": [], "fwdbwd": []} for name in backends}
     for mode, steps in (("fwd", fwd_steps), ("fwdbwd", bwd_steps)):
@@ -133,14 +150,14 @@ def main():
 
     print(f"{B} sequences, {total} tokens (max {max_len}), H={H}/{Hkv}, D={D}, {args.dtype}, causal={causal}; "
           f"{torch.cuda.get_device_name()}")
-    print(f"{'backend':26s} {'fwd ms':>9s} {'fwd TFLOP/s':>12s} {'bwd ms':>9s} {'bwd TFLOP/s':>12s}")
+    print(f"{'backend':44s} {'fwd ms':>9s} {'fwd TFLOP/s':>12s} {'bwd ms':>9s} {'bwd TFLOP/s':>12s}")
     for name in backends:
         f = results[name]["fwd"]
         fb = results[name].get("fwdbwd")
         tf = statistics.median(f) if f else None
         tfb = statistics.median(fb) if fb else None
         tb = tfb - tf if tfb and tf else None
-        print(f"{name:26s} {tf or float('nan'):9.3f} {fwd_flops / tf / 1e9 if tf else float('nan'):12.1f} "
+        print(f"{name:44s} {tf or float('nan'):9.3f} {fwd_flops / tf / 1e9 if tf else float('nan'):12.1f} "
               f"{tb or float('nan'):9.3f} {2.5 * fwd_flops / tb / 1e9 if tb else float('nan'):12.1f}")
 
 

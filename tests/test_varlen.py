@@ -375,6 +375,34 @@ def test_varlen_schedule_matches_given_order_cuda(request, monkeypatch, fused):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("variant", ["dense", "causal", "softcap"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_varlen_backward_tma_epilogue_cuda(request, monkeypatch, variant, head_dim):
+    """The Hopper varlen backward writes dK and dV through TMA for the warpgroups whose 64 keys are all their
+    sequence's, and directly for the rest (a box past a sequence's end would write the next one's rows): key
+    lengths on both sides of 64 and 128, strided tensors, bitwise equal to the direct stores
+    (FLASHCORE_BWD_TMA_EPILOGUE=0), with seqused_k leaving rows no store may touch, and within the rule."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the TMA epilogue is sm90's")
+    monkeypatch.setenv("FLASHCORE_FORCE_BWD", "sm90")
+    lens_q = [70, 130, 64, 200, 5, 128, 190]
+    lens_k = [63, 129, 64, 192, 65, 128, 300]
+    used = [63, 129, 64, 191, 65, 127, 250]
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens_q, lens_k, 4, 2, head_dim,
+                                        VARIANTS[variant], strided=True, used_k=used)
+    runs = {}
+    for tma in ("1", "0"):
+        monkeypatch.setenv("FLASHCORE_BWD_TMA_EPILOGUE", tma)
+        runs[tma] = run_backward(q, k, v, cu_q, cu_k, kw)
+        assert_ran("bwd", "sm90")
+    assert torch.equal(runs["1"][1], runs["0"][1]) and torch.equal(runs["1"][2], runs["0"][2])
+    for b, n in enumerate(used):  # keys past seqused_k get no gradient
+        rows = slice(int(cu_k[b]) + n, int(cu_k[b + 1]))
+        assert (runs["1"][1][rows] == 0).all() and (runs["1"][2][rows] == 0).all()
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_varlen_backward_default_path_cuda(request):
     """Unforced, a Hopper GPU runs the wgmma varlen backward on long enough sequences (mma.sync elsewhere)."""
     q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.float16, [100, 300], [120, 280], 4, 4, 64,

@@ -44,6 +44,16 @@ __device__ __forceinline__ void tma_reduce_add_2d(const CUtensorMap* map, const 
       "r"(smem_addr(smem_src)), "r"(c0), "r"(c1)
       : "memory");
 }
+// The same into a 4-D tensor at (c0, 0, 0, c3): the dQ accumulator's interleaved-row view
+// (sm90::make_tensor_map_f32_rows_interleaved), whose middle coordinates are always 0. Immediate coordinates keep
+// the dQ writer (24 registers) from spilling.
+__device__ __forceinline__ void tma_reduce_add_4d_at0(const CUtensorMap* map, const void* smem_src, int c0, int c3) {
+  asm volatile(
+      "cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, 0, 0, %3}], [%1];\n" ::"l"(
+          reinterpret_cast<uint64_t>(map)),
+      "r"(smem_addr(smem_src)), "r"(c0), "r"(c3)
+      : "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until at most N of this thread's bulk groups still read their shared-memory source.
 template <int N>

@@ -204,42 +204,52 @@ __device__ __forceinline__ void write_dk_dv(const float (&dk)[kCols / 2], const 
   }
 }
 
-// Epilogue through shared memory and TMA (dense kernels whose dK and dV TMA can describe): each warpgroup packs
-// its dK (scaled) and dV to 16 bits and writes them with stmatrix into its 64 rows of the K and V tiles, in the
-// layout they were loaded in (free once both warpgroups' last GEMMs retired: dQ reads every row of K); then one
-// thread a warpgroup stores 64 x 64 boxes, which TMA writes as whole 128-byte lines, dropping rows past seqlen_k
-// and columns past head_dim. The direct stores (write_dk_dv) write 16 bytes of a row per instruction.
+// Epilogue through shared memory and TMA: each warpgroup packs its dK (scaled) and dV to 16 bits and writes them
+// with stmatrix into its 64 rows of the K and V tiles, in the layout they were loaded in (free once both
+// warpgroups' last GEMMs retired: dQ reads every row of K); then one thread a warpgroup stores 64 x 64 boxes, which
+// TMA writes as whole 128-byte lines, dropping columns past head_dim (and, dense, rows past seqlen_k). The direct
+// stores (write_dk_dv) write 16 bytes of a row per instruction. Varlen: the tensor maps cover the packed rows, so
+// a box past the sequence's last key would write the next sequence's rows; a warpgroup whose 64 keys are not all
+// the sequence's stores directly, after the same two barriers (the other warpgroup waits at them).
 template <typename Traits>
 __device__ __forceinline__ void write_dk_dv_tma(float (&dk)[Traits::kHeadDim / 2], float (&dv)[Traits::kHeadDim / 2],
                                                 const BwdParams& p, const BwdBlock& blk,
                                                 const BwdSharedStorage<Traits>& smem, const CUtensorMap* tm_dk,
-                                                const CUtensorMap* tm_dv, int tid) {
+                                                const CUtensorMap* tm_dv, int key_lo, int tid) {
   using Element = typename Traits::Element;
   constexpr int kFrags = Traits::kHeadDim / 16;
   const int lane = tid & 31, wg = ptx::warpgroup_index(tid), warp_row = ((tid >> 5) & 3) * 16;
-#pragma unroll
-  for (int i = 0; i < Traits::kHeadDim / 2; ++i) dk[i] *= p.scale;
-  uint32_t frag[kFrags][4];
-  // Lane l addresses row l % 8 + 8 ((l / 8) % 2) of the warp's 16 keys, 8-column half l / 16 of block kk (the
-  // stmatrix.x4 order of an A fragment, as for dS^T in bwd_sm90_dq.cuh).
-  const int row = 64 * wg + warp_row + (lane & 7) + (lane & 8);
+  const int key0 = blk.n0 + 64 * wg;  // the warpgroup's first key
+  const bool whole = !Traits::kVarlen || key0 + 64 <= blk.seqlen_k;  // warpgroup-uniform
   ptx::named_barrier_sync(kBwdEpilogueBarrier, Traits::kConsumerThreads);  // every GEMM reading K and V retired
-  pack_a_fragments<Element>(dk, frag);
+  if (whole) {
 #pragma unroll
-  for (int kk = 0; kk < kFrags; ++kk)
-    ptx::stmatrix_x4(ptx::smem_addr(smem.k + Traits::KVTile::chunk_offset(row, 2 * kk + (lane >> 4))), frag[kk]);
-  pack_a_fragments<Element>(dv, frag);
+    for (int i = 0; i < Traits::kHeadDim / 2; ++i) dk[i] *= p.scale;
+    uint32_t frag[kFrags][4];
+    // Lane l addresses row l % 8 + 8 ((l / 8) % 2) of the warp's 16 keys, 8-column half l / 16 of block kk (the
+    // stmatrix.x4 order of an A fragment, as for dS^T in bwd_sm90_dq.cuh).
+    const int row = 64 * wg + warp_row + (lane & 7) + (lane & 8);
+    pack_a_fragments<Element>(dk, frag);
 #pragma unroll
-  for (int kk = 0; kk < kFrags; ++kk)
-    ptx::stmatrix_x4(ptx::smem_addr(smem.v + Traits::KVTile::chunk_offset(row, 2 * kk + (lane >> 4))), frag[kk]);
-  ptx::fence_proxy_async_shared();  // the stores, visible to TMA
+    for (int kk = 0; kk < kFrags; ++kk)
+      ptx::stmatrix_x4(ptx::smem_addr(smem.k + Traits::KVTile::chunk_offset(row, 2 * kk + (lane >> 4))), frag[kk]);
+    pack_a_fragments<Element>(dv, frag);
+#pragma unroll
+    for (int kk = 0; kk < kFrags; ++kk)
+      ptx::stmatrix_x4(ptx::smem_addr(smem.v + Traits::KVTile::chunk_offset(row, 2 * kk + (lane >> 4))), frag[kk]);
+    ptx::fence_proxy_async_shared();  // the stores, visible to TMA
+  }
   ptx::named_barrier_sync(kBwdEpilogueBarrier, Traits::kConsumerThreads);
-  if (tid % 128 == 0) {
+  if (!whole) {
+    write_dk_dv<Element, Traits::kHeadDim, Traits::kVarlen>(dk, dv, p, blk, key_lo, 0, tid & 3);
+  } else if (tid % 128 == 0) {
+    // Varlen: the packed tensors are one batch entry; the sequence's keys start at k_begin.
+    const int row0 = Traits::kVarlen ? blk.k_begin + key0 : key0, b = Traits::kVarlen ? 0 : (int)blk.b;
 #pragma unroll
     for (int span = 0; span < Traits::kSpans; ++span) {
       const int offset = span * Traits::kBlockN * 64 + 64 * wg * 64;
-      ptx::tma_store_4d(tm_dk, smem.k + offset, span * 64, blk.n0 + 64 * wg, (int)blk.h_kv, (int)blk.b);
-      ptx::tma_store_4d(tm_dv, smem.v + offset, span * 64, blk.n0 + 64 * wg, (int)blk.h_kv, (int)blk.b);
+      ptx::tma_store_4d(tm_dk, smem.k + offset, span * 64, row0, (int)blk.h_kv, b);
+      ptx::tma_store_4d(tm_dv, smem.v + offset, span * 64, row0, (int)blk.h_kv, b);
     }
     ptx::bulk_commit_group();
     ptx::bulk_wait_group_read<0>();  // shared memory stays valid until TMA has read it
@@ -280,8 +290,8 @@ __device__ __forceinline__ void zero_kv_past_end(const BwdBlock& blk, const BwdS
   ptx::fence_proxy_async_shared();
 }
 
-// tm_dk / tm_dv: dK and dV's tensor maps for the TMA epilogue, or nullptr for the direct stores (varlen kernels,
-// or tensors TMA cannot describe).
+// tm_dk / tm_dv: dK and dV's tensor maps for the TMA epilogue, or nullptr for the direct stores (tensors TMA
+// cannot describe, or FLASHCORE_BWD_TMA_EPILOGUE=0).
 template <typename Traits>
 __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& blk,
                                             const BwdSharedStorage<Traits>& smem, const float* __restrict__ dsum,
@@ -455,8 +465,8 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
   }
   if (blk.steps > 0) hand_off_dq();  // the last step's
 
-  if (!Traits::kVarlen && tm_dk != nullptr)
-    write_dk_dv_tma<Traits>(dk, dv, p, blk, smem, tm_dk, tm_dv, tid);
+  if (tm_dk != nullptr)
+    write_dk_dv_tma<Traits>(dk, dv, p, blk, smem, tm_dk, tm_dv, key_lo, tid);
   else
     write_dk_dv<Element, kHeadDim, Traits::kVarlen>(dk, dv, p, blk, key_lo, 0, t);
 }

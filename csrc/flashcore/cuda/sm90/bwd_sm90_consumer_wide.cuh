@@ -25,7 +25,7 @@
 #include "../ptx/warpgroup.cuh"
 #include "../ptx/wgmma_sm90.cuh"
 #include "bwd_sm90_consumer.cuh"          // BwdRowStats, kBwdConsumerBarrier
-#include "bwd_sm90_dq.cuh"                // dq_staging_offset
+#include "bwd_sm90_dq.cuh"                // dq_staging_offset, dq_staging_row
 #include "bwd_sm90_traits.cuh"
 #include "smem_desc.cuh"
 
@@ -170,7 +170,7 @@ __device__ __forceinline__ void consume_bwd_wide(const BwdParams& p, const BwdBl
       ptx::mbarrier_wait(&smem.dq_empty[wg], ptx::empty_parity(step * kDqChunks + chunk));
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = warp_row + g + 8 * half;
+        const int row = dq_staging_row<Traits::kDqRowsInterleaved>(warp_row + g + 8 * half);
 #pragma unroll
         for (int ni = 0; ni < 8; ++ni)
           *reinterpret_cast<float2*>(dq_stage + dq_staging_offset<kBlockM>(row, ni * 8 + 2 * t)) =

@@ -16,15 +16,24 @@
 
 namespace flashcore::sm90 {
 
-// Offset (floats) of (row, col) in a warpgroup's dQ staging tile (kRows queries x 64 columns): two boxes of 32
+// Offset (floats) of (row, col) in a warpgroup's dQ staging tile (kRows rows x 64 columns): two boxes of 32
 // columns, rows of 128 bytes whose 16-byte chunks are swizzled as TMA's 128-byte mode expects (chunk c of row r
-// at c ^ (r % 8)). A warp's float2 stores (8 rows x 4 column pairs) take 4 wavefronts, not the 2 of their 256
-// bytes: rows g and g ^ 1 of a half-warp meet in the same chunks. Unswizzled 8-column boxes avoid that but made
-// the dQ writer's TMA reductions slower (docs/PERFORMANCE.md, rejected).
+// at c ^ (r % 8)). `row` is the staging row (dq_staging_row).
 template <int kRows>
 __device__ __forceinline__ int dq_staging_offset(int row, int col) {
   const int box = col >> 5, chunk = (col & 31) >> 2;
   return box * (kRows * 32) + row * 32 + ((chunk ^ (row & 7)) << 2) + (col & 3);
+}
+
+// The staging row of query row `row` of a tile. A warp's float2 stores cover 8 rows g x 4 column pairs; in the
+// swizzle, row g's two chunks are (2 ni, 2 ni + 1) ^ g, so rows g and g ^ 1 of a half-warp meet in the same banks
+// (4 wavefronts a store instead of 2). Interleaved (Traits::kDqRowsInterleaved), row 8k + g is staged at
+// 8k + 2 (g % 4) + g / 4: a half-warp's four rows XOR their chunks with 0, 2, 4, 6 (or 1, 3, 5, 7), eight
+// distinct chunks; the dQ writer's tensor map (make_tensor_map_f32_rows_interleaved) reads them back in order.
+// (Unswizzled 8-column boxes also avoid the conflict but made the TMA reductions slower: docs/PERFORMANCE.md.)
+template <bool kInterleaved>
+__device__ __forceinline__ int dq_staging_row(int row) {
+  return kInterleaved ? (row & ~7) | ((row & 3) << 1) | ((row >> 2) & 1) : row;
 }
 
 // The same for this thread's accumulator pairs of n8 tile ni, rows r0 + 8 h (r0 % 8 = g), columns 8 ni + 2t, from
@@ -131,7 +140,9 @@ struct BwdDqStep {
         }
       }
     } else {
-      const int offset0 = dq_staging_offset<Traits::kDqRows>(warp_row + g, 2 * t);  // ni = 0, h = 0, mt = 0
+      // ni = 0, h = 0, mt = 0 (interleaving keeps rows + 8 and + 64 at + 8 and + 64)
+      const int offset0 =
+          dq_staging_offset<Traits::kDqRows>(dq_staging_row<Traits::kDqRowsInterleaved>(warp_row + g), 2 * t);
 #pragma unroll
       for (int mt = 0; mt < kMTiles; ++mt) {
 #pragma unroll

@@ -76,8 +76,13 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
                                                 Traits::kBlockN, kBf16);
 
   const int64_t dq_rows = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM * Traits::kBlockM;
-  const CUtensorMap tm_dq = make_tensor_map_f32_2d(dq_accum, p.batch * p.heads_q * dq_rows, p.head_dim,
-                                                   Traits::kDqBoxCols, Traits::kDqBoxRows);
+  static_assert(!Traits::kDqRowsInterleaved || (Traits::kBlockM % 8 == 0 && Traits::kDqBoxRows % 8 == 0));
+  const CUtensorMap tm_dq =
+      Traits::kDqRowsInterleaved
+          ? make_tensor_map_f32_rows_interleaved(dq_accum, p.batch * p.heads_q * dq_rows, p.head_dim,
+                                                 Traits::kDqBoxCols, Traits::kDqBoxRows)
+          : make_tensor_map_f32_2d(dq_accum, p.batch * p.heads_q * dq_rows, p.head_dim, Traits::kDqBoxCols,
+                                   Traits::kDqBoxRows);
   // dK and dV through shared memory and TMA stores (consume_bwd) where TMA can describe them (grad_key/grad_value
   // take the inputs' strides) and the switch allows; the split-head-dim consumers store directly.
   const bool tma_epilogue = !Traits::kSplitHeadDim && bwd_tma_epilogue_enabled() &&
@@ -138,9 +143,16 @@ void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, c
   // larger than the latter, which the dispatcher checked against INT32_MAX.
   const int64_t grid = p.varlen.tile_end != nullptr ? p.varlen.grid_tiles * p.heads_kv
                                                     : (int64_t)num_n_blocks * p.batch * p.heads_kv;
-  // Varlen keeps the direct dK/dV stores: a box past a sequence's last key would write the next sequence's rows.
+  // dK and dV through TMA for the warpgroups whose 64 keys are all their sequence's (write_dk_dv_tma).
+  const bool tma_epilogue = bwd_tma_epilogue_enabled() && !Traits::kSplitHeadDim &&
+                            tma_compatible(p.dk, p.dk_stride, 1, p.heads_kv, total_k) &&
+                            tma_compatible(p.dv, p.dv_stride, 1, p.heads_kv, total_k);
+  const CUtensorMap tm_dk =
+      tma_epilogue ? make_tensor_map_bhsd(p.dk, p.dk_stride, 1, p.heads_kv, total_k, p.head_dim, 64, kBf16) : tm_k;
+  const CUtensorMap tm_dv =
+      tma_epilogue ? make_tensor_map_bhsd(p.dv, p.dv_stride, 1, p.heads_kv, total_k, p.head_dim, 64, kBf16) : tm_v;
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(
-      p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_k, tm_v, dsum, num_n_blocks, /*tma_epilogue=*/false);
+      p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, dsum, num_n_blocks, tma_epilogue);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

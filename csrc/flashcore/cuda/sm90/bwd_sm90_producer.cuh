@@ -73,7 +73,11 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
   const int head_row0 = Traits::kVarlen
                             ? (int)(blk.h_kv * blk.group * dq_rows_per_head + blk.q_begin)
                             : (int)((blk.b * p.heads_q + blk.h_kv * blk.group) * dq_rows_per_head);
-  int row0 = head_row0 + blk.m_begin * kBlockM, m_left = blk.m_count;
+  // Interleaved staging rows (Traits::kDqRowsInterleaved): the tensor map addresses groups of 8 rows, and every
+  // dense tile starts at a multiple of 8 (dq_rows_per_head and kBlockM are), so rows are counted in eights.
+  constexpr int kUnit = Traits::kDqRowsInterleaved ? 8 : 1;
+  static_assert(kBlockM % kUnit == 0 && Traits::dq_row0(1) % kUnit == 0);
+  int row = (head_row0 + blk.m_begin * kBlockM) / kUnit, m_left = blk.m_count;
   for (int step = 0; step < blk.steps; ++step) {
 #pragma unroll
     for (int chunk = 0; chunk < Traits::kDqChunks; ++chunk) {
@@ -82,9 +86,14 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
         ptx::mbarrier_wait(&smem.dq_full[wg], (step * Traits::kDqChunks + chunk) & 1);
         const int col0 = Traits::dq_col0(wg, chunk);
 #pragma unroll
-        for (int box = 0; box < Traits::kDqBoxes; ++box)
-          ptx::tma_reduce_add_2d(tm_dq, smem.dq_staging(wg) + box * Traits::kDqRows * 32,
-                                 col0 + box * Traits::kDqBoxCols, row0 + Traits::dq_row0(wg));
+        for (int box = 0; box < Traits::kDqBoxes; ++box) {
+          const float* src = smem.dq_staging(wg) + box * Traits::kDqRows * 32;
+          const int wg_row = row + Traits::dq_row0(wg) / kUnit;
+          if constexpr (Traits::kDqRowsInterleaved)
+            ptx::tma_reduce_add_4d_at0(tm_dq, src, col0 + box * Traits::kDqBoxCols, wg_row);
+          else
+            ptx::tma_reduce_add_2d(tm_dq, src, col0 + box * Traits::kDqBoxCols, wg_row);
+        }
         ptx::bulk_commit_group();
       }
       // Groups complete in order: release each warpgroup's tile as soon as its reduction has read it.
@@ -94,10 +103,10 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
       ptx::bulk_wait_group_read<0>();
       ptx::mbarrier_arrive(&smem.dq_empty[1]);
     }
-    row0 += kBlockM;
+    row += kBlockM / kUnit;
     if (--m_left == 0) {  // next head of the group
       m_left = blk.m_count;
-      row0 += dq_rows_per_head - blk.m_count * kBlockM;
+      row += (dq_rows_per_head - blk.m_count * kBlockM) / kUnit;
     }
   }
   ptx::bulk_wait_group<0>();

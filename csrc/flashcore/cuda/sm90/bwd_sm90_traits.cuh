@@ -101,6 +101,10 @@ struct BwdSm90Traits {
   // Each warpgroup's dQ (kDqRows queries x kDqCols columns, fp32) is staged as 32-column boxes in the 128-byte
   // swizzle and added to the global accumulator by TMA (cp.reduce.async.bulk.tensor).
   static constexpr int kDqBoxCols = 32, kDqBoxRows = kDqRows, kDqBoxes = kDqCols / kDqBoxCols;
+  // Dense kernels that stage dQ as float2 pairs (all but the transposed one) interleave the staging rows of each
+  // group of 8 (dq_staging_row), which the dQ writer's 4-D tensor map undoes: a warp's stores then meet no bank
+  // conflict. Varlen keeps plain rows: its tiles start at any row of the accumulator, not at multiples of 8.
+  static constexpr bool kDqRowsInterleaved = !kDqTransposed && !kVarlen;
   static constexpr uint32_t kDqWgBytes = kDqRows * kDqCols * 4;
   // Split keys, the warpgroups never read each other's shared memory in a step: each stages its own copy of the
   // step's lse/dsum and synchronizes only its own threads, so neither waits for the other.

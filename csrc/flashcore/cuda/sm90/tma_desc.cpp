@@ -79,4 +79,21 @@ CUtensorMap make_tensor_map_f32_2d(void* base, int64_t rows, int64_t cols, int b
   return map;
 }
 
+CUtensorMap make_tensor_map_f32_rows_interleaved(void* base, int64_t rows, int64_t cols, int box_cols, int box_rows) {
+  TORCH_CHECK(rows % 8 == 0 && box_rows % 8 == 0, "flashcore: interleaved dQ rows need multiples of 8 (", rows, ", ",
+              box_rows, ")");
+  CUtensorMap map;
+  const cuuint64_t row = (cuuint64_t)cols * 4;
+  const cuuint64_t dims[4] = {(cuuint64_t)cols, 2, 4, (cuuint64_t)rows / 8};
+  const cuuint64_t strides[3] = {4 * row, row, 8 * row};  // h, l, k
+  const cuuint32_t box[4] = {(cuuint32_t)box_cols, 2, 4, (cuuint32_t)box_rows / 8};
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  const CUresult res = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box, elem_strides,
+                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  TORCH_CHECK(res == CUDA_SUCCESS, "flashcore: cuTensorMapEncodeTiled failed (CUresult ", (int)res,
+              ") for an interleaved fp32 accumulator of shape (", rows, ", ", cols, ")");
+  return map;
+}
+
 }  // namespace flashcore::sm90

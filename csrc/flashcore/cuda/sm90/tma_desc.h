@@ -26,4 +26,9 @@ CUtensorMap make_tensor_map_bhsd(const void* base, const Strides& s, int64_t bat
 // box_cols (32: one 128-byte swizzle span) x box_rows: the backward's dQ accumulator.
 CUtensorMap make_tensor_map_f32_2d(void* base, int64_t rows, int64_t cols, int box_cols, int box_rows);
 
+// The same matrix (rows a multiple of 8, box_rows too) with the rows of each group of 8 interleaved in shared
+// memory: global row 8k + 4 h + l (h < 2, l < 4) is row 8k + 2 l + h of the box (4-D: columns, h, l, k).
+// The backward's float2 dQ staging stores then meet no bank conflict in the 128-byte swizzle (bwd_sm90_dq.cuh).
+CUtensorMap make_tensor_map_f32_rows_interleaved(void* base, int64_t rows, int64_t cols, int box_cols, int box_rows);
+
 }  // namespace flashcore::sm90
