@@ -27,8 +27,15 @@ template <> struct FwdSm90Config<128> {
   static constexpr int kWideMinKeys = 4096;
   static constexpr bool kPersistent = true;
 };
-// Head dim 96 runs the 128-wide tiles with n96 / 6-k-step GEMMs (fwd_sm90_traits.cuh): same shapes as 128.
-template <> struct FwdSm90Config<96> : FwdSm90Config<128> {};
+// Head dim 96 runs the 128-wide shared-memory tiles with n96 / 6-k-step GEMMs (fwd_sm90_traits.cuh), in blocks of
+// three consumer warpgroups on 96-key tiles: S (48), P (24) and O (48 registers) fit in 160 (128-key tiles spill
+// 144 B there; FlashAttention-3/4 take 192 x 144 tiles with P through shared memory).
+template <> struct FwdSm90Config<96> {
+  static constexpr int kWarpgroups = 3, kBlockN = 96, kStages = 2, kProducerRegs = 24, kConsumerRegs = 160;
+  static constexpr int kBlockNNonCausal = 96;
+  static constexpr int kWideMinKeys = 0;
+  static constexpr bool kPersistent = true;
+};
 template <> struct FwdSm90Config<256> {
   static constexpr int kWarpgroups = 2, kBlockN = 64, kStages = 2, kProducerRegs = 24, kConsumerRegs = 240;
   static constexpr int kBlockNNonCausal = 64;
