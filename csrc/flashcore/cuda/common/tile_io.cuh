@@ -71,4 +71,25 @@ __device__ __forceinline__ void store_tile(const Element* smem, Element* gmem, i
   }
 }
 
+// One warp's rows [tile_row0, tile_row0 + kRows) of a shared tile to global memory with 16-byte stores (lanes take
+// consecutive chunks, so each store instruction covers whole rows). For rows the warp staged itself: __syncwarp
+// orders its reads after its own writes and no other warp's rows are read, so no block barrier is needed. Rows at
+// or past row_limit (row0 + tile row) and chunks at or past dim_limit are skipped.
+template <typename Tile, int kRows, typename Element>
+__device__ __forceinline__ void store_warp_rows(const Element* smem, Element* gmem, int64_t row_stride, int row0,
+                                                int tile_row0, int row_limit, int dim_limit, int lane) {
+  constexpr int kChunks = kRows * Tile::kChunksPerRow;
+  static_assert(kChunks % 32 == 0, "whole rounds of the warp's lanes");
+  __syncwarp();
+#pragma unroll
+  for (int i = lane; i < kChunks; i += 32) {
+    const int r = tile_row0 + i / Tile::kChunksPerRow;
+    const int c = i % Tile::kChunksPerRow;
+    if (row0 + r < row_limit && c * 8 < dim_limit) {
+      const uint4 v = *reinterpret_cast<const uint4*>(smem + Tile::chunk_offset(r, c));
+      *reinterpret_cast<uint4*>(gmem + (int64_t)(row0 + r) * row_stride + c * 8) = v;
+    }
+  }
+}
+
 }  // namespace flashcore::cuda

@@ -309,13 +309,13 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   // head_dim are clipped by TMA). Without kSeparateO the Q/O buffer goes back to the producer's next Q load only
   // once TMA has read it: that thread's warp arrives on q_empty after the bulk group's reads completed.
   if constexpr (Traits::kVarlen) {
-    // Bounded 16-byte stores of the sequence's rows (a TMA store would write past its end, into the next one);
-    // then the staging buffer is free once every consumer's reads of it are done.
-    ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
-    cuda::store_tile<typename Traits::QTile, Traits::kConsumerThreads>(smem.o, blk.out, p.out_stride.seq, m0,
-                                                                       blk.seqlen_q, (int)p.head_dim);
+    // Bounded 16-byte stores of the sequence's rows (a TMA store would write past its end, into the next one).
+    // Each warp stores the 16 rows it staged, so only its own writes precede its reads (a block-wide handoff
+    // through the consumers' barrier drew intermittent racecheck reports); then the staging buffer (Q's, without
+    // kSeparateO) goes back to the producer once every warp has arrived on q_empty.
+    cuda::store_warp_rows<typename Traits::QTile, 16>(smem.o, blk.out, p.out_stride.seq, m0, warp_row0, blk.seqlen_q,
+                                                      (int)p.head_dim, lane);
     if constexpr (!Traits::kSeparateO) {
-      ptx::named_barrier_sync(kConsumerBarrier, Traits::kConsumerThreads);
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(smem.q_empty);
     }
