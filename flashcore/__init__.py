@@ -17,7 +17,15 @@ except ImportError as e:  # pragma: no cover - only when the extension was not b
     ) from e
 
 from .ops import attention, bwd_kernel_name, fwd_kernel_name, last_kernel, varlen_attention  # noqa: E402
-from .flash_attn_interface import flash_attn_func  # noqa: E402
+from .flash_attn_interface import (  # noqa: E402  (flash-attn's package exports these seven at its top level)
+    flash_attn_func,
+    flash_attn_kvpacked_func,
+    flash_attn_qkvpacked_func,
+    flash_attn_varlen_func,
+    flash_attn_varlen_kvpacked_func,
+    flash_attn_varlen_qkvpacked_func,
+    flash_attn_with_kvcache,
+)
 
 __version__ = "0.1.0"
 
@@ -32,5 +40,7 @@ def _has_cuda_kernels() -> bool:
 
 
 __all__ = [
-    "attention", "varlen_attention", "flash_attn_func", "fwd_kernel_name", "bwd_kernel_name", "last_kernel", "cuda_available",
+    "attention", "varlen_attention", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache", "fwd_kernel_name", "bwd_kernel_name", "last_kernel", "cuda_available",
 ]

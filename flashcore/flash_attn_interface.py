@@ -11,6 +11,11 @@ total_q). flash_attn_with_kvcache attends new queries to a dense or paged KV cac
 (rotated by rotary_cos/rotary_sin when given) into the cache in place first, as flash-attn 2.x does; its index
 arguments are read on the device without a sync (torch.compile and CUDA graphs work). What flashcore does not
 implement raises NotImplementedError naming the argument: dropout_p > 0.
+
+Where flash-attn's documentation and its kernels differ, this module follows the kernels: window_size is rewritten
+as flash-attn's C++ side rewrites it (_flash_window), and inputs of any strides are accepted (maybe_contiguous).
+The lower-level _flash_attn_forward / _flash_attn_backward (and varlen) functions keep flash-attn 2.8's signatures.
+One deliberate difference: a row that sees no key has LSE -inf (flash-attn 2 writes +inf), out 0 in both.
 """
 
 from __future__ import annotations
@@ -28,8 +33,39 @@ __all__ = [
 ]
 
 _fwd_op = torch.ops.flashcore.fwd.default
+_bwd_op = torch.ops.flashcore.bwd.default
 _varlen_fwd_op = torch.ops.flashcore.varlen_fwd.default
+_varlen_bwd_op = torch.ops.flashcore.varlen_bwd.default
 _kvcache_fwd_op = torch.ops.flashcore.kvcache_fwd.default
+
+
+def maybe_contiguous(x):
+    """x with a contiguous last dimension (a copy only where it has none), as flash-attn's helper of that name: its
+    functions accept inputs of any strides."""
+    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+
+
+_maybe_contiguous = maybe_contiguous
+
+
+def _flash_window(left, right, causal, seqlen_q, seqlen_k):
+    """The window flash-attn 2's kernels apply for window_size=(left, right) (csrc/flash_attn/flash_api.cpp: mha_fwd,
+    mha_varlen_fwd and mha_fwd_kvcache, then set_params_fprop): causal sets right = 0; a side >= seqlen_k becomes
+    unbounded; then a one-sided window gets seqlen_k on its unbounded side. The last step changes the mask where
+    seqlen_q > seqlen_k + 1 (query i then sees keys up to i + 2 seqlen_k - seqlen_q only). Bounds that no query meets
+    (left >= seqlen_k - 1, right >= seqlen_q - 1) go back to -1, so the op keeps its unbanded kernels. Varlen calls
+    pass max_seqlen_q/k, as flash-attn does."""
+    if causal:
+        right = 0
+    left = -1 if left >= seqlen_k else left
+    right = -1 if right >= seqlen_k else right
+    if left < 0 and right >= 0:
+        left = seqlen_k
+    if left >= 0 and right < 0:
+        right = seqlen_k
+    left = -1 if left >= seqlen_k - 1 else left
+    right = -1 if right >= seqlen_q - 1 and not causal else right
+    return left, right
 
 
 def _check_dropout(dropout_p, fn):
@@ -47,10 +83,10 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
             raise RuntimeError(f"{fn}: {name} must be 4-D (batch, seqlen, nheads, headdim); got {t.dim()}-D with "
                                f"shape {tuple(t.shape)}")
     _check_dropout(dropout_p, fn)
-    left, right = window_pair(window_size, fn)
+    left, right = _flash_window(*window_pair(window_size, fn), causal, q.size(1), k.size(1))
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
-    (q, k, v), head_dim = pad_head_dim([q, k, v])
+    (q, k, v), head_dim = pad_head_dim([maybe_contiguous(x) for x in (q, k, v)])
     out, lse = _fwd_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), float(softmax_scale), bool(causal),
                        True, left, right, float(softcap), bool(deterministic), sinks, alibi_slopes)
     out = out.transpose(1, 2)
@@ -106,9 +142,10 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
             raise RuntimeError(f"{fn}: {name} must be {want}-D ({shape}; got {t.dim()}-D with shape "
                                f"{tuple(t.shape)}")
     _check_dropout(dropout_p, fn)
-    left, right = window_pair(window_size, fn)
+    left, right = _flash_window(*window_pair(window_size, fn), causal, int(max_seqlen_q), int(max_seqlen_k))
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
+    q, k, v = (maybe_contiguous(x) for x in (q, k, v))
     if block_table is not None:
         return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
                              left, right, softcap, alibi_slopes, sinks, seqused_k, return_attn_probs)
@@ -193,12 +230,83 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# KV cache (inference): flash_attn_with_kvcache = the append (here, in PyTorch ops) + torch.ops.flashcore.kvcache_fwd
+# flash-attn's lower-level functions, which libraries built on flash-attn call directly (ring attention, context
+# parallelism): the same signatures and returns; the rng state and the dropout mask are None (no dropout here).
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _maybe_contiguous(x):
-    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
+def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
+                        alibi_slopes, return_softmax):
+    """flash-attn 2.x's _flash_attn_forward: q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k,
+    headdim). Returns (out, softmax_lse (batch, nheads, seqlen_q), S_dmask None, rng_state None)."""
+    out, lse, _ = _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, (window_size_left, window_size_right),
+                                  softcap, alibi_slopes, False, True, "_flash_attn_forward")
+    return out, lse, None, None
+
+
+def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
+                         window_size_left, window_size_right, softcap, alibi_slopes, deterministic, rng_state=None):
+    """flash-attn 2.x's _flash_attn_backward: writes the gradients into dq, dk, dv (those given) and returns softmax_d
+    (batch, nheads, seqlen_q rounded up to 128) float32, rowsum(dout * out)."""
+    fn = "_flash_attn_backward"
+    _check_dropout(dropout_p, fn)
+    left, right = _flash_window(window_size_left, window_size_right, causal, q.size(1), k.size(1))
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
+    head_dim = q.size(-1)
+    (q_, k_, v_, o_, do_), _ = pad_head_dim([maybe_contiguous(x) for x in (q, k, v, out, dout)])
+    grads = _bwd_op(do_.transpose(1, 2), q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2),
+                    o_.transpose(1, 2), softmax_lse, float(softmax_scale), bool(causal), True, left, right,
+                    float(softcap), bool(deterministic), alibi_slopes)
+    for dst, g in zip((dq, dk, dv), grads):
+        if dst is not None:
+            dst.copy_(g.transpose(1, 2)[..., :head_dim])
+    B, Sq, H = q.shape[:3]
+    softmax_d = torch.zeros(B, H, (Sq + 127) // 128 * 128, dtype=torch.float32, device=q.device)
+    softmax_d[:, :, :Sq] = (dout.float() * out.float()).sum(-1).transpose(1, 2)
+    return softmax_d
+
+
+def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
+                               softmax_scale, causal, window_size_left=-1, window_size_right=-1, softcap=0.0,
+                               alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
+                               seqused_k=None, zero_tensors=False, num_splits=0):
+    """flash-attn 2.x's _flash_attn_varlen_forward: packed (total, nheads, headdim) inputs. Returns (out, softmax_lse
+    (nheads, total_q), S_dmask None, rng_state None)."""
+    fn = "_flash_attn_varlen_forward"
+    if leftpad_k is not None:
+        raise NotImplementedError(f"{fn}: leftpad_k is not supported; pass leftpad_k=None")
+    out, lse, _ = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
+                          causal, (window_size_left, window_size_right), softcap, alibi_slopes, False, True, fn,
+                          block_table=block_table, seqused_k=seqused_k)
+    return out, lse, None, None
+
+
+def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
+                                max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size_left,
+                                window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
+                                zero_tensors=False):
+    """flash-attn 2.x's _flash_attn_varlen_backward: writes the gradients into dq, dk, dv (those given) and returns
+    softmax_d (nheads, total_q) float32, rowsum(dout * out)."""
+    fn = "_flash_attn_varlen_backward"
+    _check_dropout(dropout_p, fn)
+    left, right = _flash_window(window_size_left, window_size_right, causal, int(max_seqlen_q), int(max_seqlen_k))
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
+    head_dim = q.size(-1)
+    (q_, k_, v_, o_, do_), _ = pad_head_dim([maybe_contiguous(x) for x in (q, k, v, out, dout)])
+    grads = _varlen_bwd_op(do_, q_, k_, v_, o_, softmax_lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
+                           int(max_seqlen_k), float(softmax_scale), bool(causal), left, right, float(softcap),
+                           bool(deterministic), alibi_slopes, None)
+    for dst, g in zip((dq, dk, dv), grads):
+        if dst is not None:
+            dst.copy_(g[..., :head_dim])
+    return (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# KV cache (inference): flash_attn_with_kvcache = the append (here, in PyTorch ops) + torch.ops.flashcore.kvcache_fwd
+# ----------------------------------------------------------------------------------------------------------------
 
 
 def _check_index(t, name, fn, q, dims=1):
@@ -401,9 +509,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     if causal:
         right = 0
     # flash-attn's mha_fwd_kvcache: a window side as long as the cache is unbounded (-1); that also decides whether
-    # the call is "local" for the rotary positions of q below.
+    # the call is "local" for the rotary positions of q below. The kernel's window: _flash_window (seqlen_k is the
+    # cache's capacity there).
     left = -1 if left >= capacity else left
     right = -1 if right >= capacity else right
+    local = left >= 0 or right >= 0
+    left, right = _flash_window(left, right, causal, Sq, capacity)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
@@ -419,7 +530,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         last = rotary_cos.size(0) - 1
         start = seqlens.long()[:, None]
         pos_k = (start + torch.arange(Sn, device=q.device)).clamp(0, last)
-        per_token = causal or left >= 0 or right >= 0
+        per_token = causal or local
         pos_q = (start + torch.arange(Sq, device=q.device)) if per_token else start.expand(B, Sq)
         q = _apply_rotary(q, rotary_cos, rotary_sin, pos_q.clamp(0, last), rotary_interleaved)
         k = _apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)

@@ -200,6 +200,75 @@ def test_4d_mask_raises():
         model(ids, attention_mask=mask4d)
 
 
+def _seeded(cls, cfg, impl):
+    torch.manual_seed(0)
+    make = cls.from_config if hasattr(cls, "from_config") else cls._from_config
+    return make(copy.deepcopy(cfg), attn_implementation=impl).eval()
+
+
+@pytest.mark.parametrize("dec_len", [1, 5, 30])
+def test_cross_attention_with_padded_encoder(dec_len):
+    """Bart: the decoder's cross-attention takes the encoder's padding mask over its keys; its queries (decoder
+    tokens, more or fewer than the encoder's) are not unpadded by it. Encoder self-attention is bidirectional."""
+    from transformers import AutoModelForSeq2SeqLM, BartConfig
+
+    cfg = BartConfig(vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+                     decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, dropout=0.0,
+                     attention_dropout=0.0, init_std=0.1, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                     decoder_start_token_id=1, forced_eos_token_id=None, max_position_embeddings=128)
+    ref, model = (_seeded(AutoModelForSeq2SeqLM, cfg, impl) for impl in ("eager", fct.NAME))
+    ids, mask = prompts([21, 12], side="right")
+    dec = torch.randint(3, 128, (2, dec_len), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():
+        want = ref(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+        got = model(input_ids=ids, attention_mask=mask, decoder_input_ids=dec).logits
+    assert_logits_close(got, want)
+
+
+def test_patterns_flashcore_cannot_apply_raise():
+    """Masks or biases that would change every result raise instead of being dropped: T5's relative position bias,
+    Llama 4's chunked attention past one chunk (transformers raises the same for flash-attn), PaliGemma's
+    prefix-LM blocks; and a value head dim above the query's."""
+    import transformers as T
+
+    t5 = _seeded(T.AutoModelForSeq2SeqLM, T.T5Config(
+        vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
+        pad_token_id=0, eos_token_id=2, decoder_start_token_id=0), fct.NAME)
+    ids, mask = prompts([9, 9])
+    with pytest.raises(NotImplementedError, match="position_bias"), torch.no_grad():
+        t5(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :3])
+
+    llama4 = _seeded(AutoModelForCausalLM, T.Llama4TextConfig(
+        **{**COMMON, "num_key_value_heads": 2}, head_dim=16, attention_chunk_size=8, intermediate_size_mlp=128,
+        num_local_experts=2, no_rope_layers=[1, 0], layer_types=["chunked_attention", "full_attention"]), fct.NAME)
+    with torch.no_grad():
+        llama4(prompts([8, 8])[0])  # within one chunk: plain causal attention, runs
+        with pytest.raises(ValueError, match="chunked"):
+            llama4(prompts([21, 21])[0])
+
+    module = torch.nn.Module()
+    module.is_causal = True
+    q, k = torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+    with pytest.raises(NotImplementedError, match="value head dim"):
+        fct.attention_forward(module, q, k, torch.randn(1, 2, 5, 32), None)
+
+    if not hasattr(T, "PaliGemmaForConditionalGeneration"):
+        return
+    vision = T.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=16, patch_size=8, projection_dim=64)
+    text = T.GemmaConfig(vocab_size=130, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=1, head_dim=16, pad_token_id=0)
+    pali = _seeded(T.PaliGemmaForConditionalGeneration, T.PaliGemmaConfig(
+        vision_config=vision.to_dict(), text_config=text.to_dict(), image_token_index=129, projection_dim=64),
+        fct.NAME)
+    ids = torch.cat([torch.full((1, 4), 129), torch.randint(2, 128, (1, 10))], 1)
+    token_types = torch.zeros_like(ids)
+    token_types[:, -4:] = 1  # image + 6 prompt tokens: a bidirectional prefix; the last 4 causal
+    with pytest.raises(NotImplementedError, match="prefix-LM"), torch.no_grad():
+        pali(input_ids=ids, pixel_values=torch.randn(1, 3, 16, 16), token_type_ids=token_types,
+             attention_mask=torch.ones_like(ids))
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Forward: logits against transformers' own backends
 # ---------------------------------------------------------------------------------------------------------------

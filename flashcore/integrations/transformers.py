@@ -21,6 +21,8 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
 * padding: the registered mask function (flash-attn's) hands the attention a 2-D (batch, kv_len) padding mask, or
   None when nothing is padded. With a mask, q/k/v are unpadded into packed sequences, attention runs on
   flashcore.varlen_attention and the output is padded back (padded query rows are zeros). Left and right padding.
+  Non-causal attention without a window (encoders, cross-attention) unpads only the keys: the mask is the keys',
+  and every query row attends to its row's keys as under eager/sdpa.
 * KV cache (generation, Sq < Sk): causal masking and sliding windows are aligned bottom-right (query i of a sequence
   with Sq queries and Sk keys sees keys j <= i + Sk - Sq), through the varlen op. Static caches work too: the mask
   function then gives a mask of the keys written so far and the unwritten slots are not attended to.
@@ -41,6 +43,9 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
 * not supported: 4-D (custom) attention masks (TypeError) and custom mask patterns transformers builds from
   ``or_mask_function``/``and_mask_function`` (e.g. bidirectional image-token blocks): like flash-attn's backend,
   this one sees only padding, causality and the sliding window, and warns once when such a pattern is dropped.
+  Patterns that would change every result raise instead: a T5-style ``position_bias`` and a value head dim larger
+  than the query's (NotImplementedError), chunked attention past one chunk (Llama 4; ValueError, as transformers
+  raises for flash-attn) and block-wise prefix-LM masks (PaliGemma's ``block_sequence_ids``).
   ``output_attentions`` returns None as weights. Paged attention / continuous batching is not wired up.
 """
 
@@ -77,12 +82,43 @@ _HALF = (torch.float16, torch.bfloat16)
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _mask_parts(fn, depth=0):
+    """Qualified names of the functions a transformers mask function is composed of (and_masks / or_masks keep their
+    parts in closure cells), to recognise patterns this backend cannot apply."""
+    if depth > 8 or not callable(fn):
+        return []
+    names = [getattr(fn, "__qualname__", "")]
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            value = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        for part in value if isinstance(value, (tuple, list)) else (value,):
+            if callable(part) and hasattr(part, "__code__"):
+                names += _mask_parts(part, depth + 1)
+    return names
+
+
 def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask=None, **kwargs):
     """The mask function registered with AttentionMaskInterface: the 2-D (batch, kv_len) bool padding mask sliced to
     the keys of this layer, or None when no key is padded (flash-attn's rule: causality and windows are applied by
     the kernel). With a static cache and no padding, the mask of the keys written so far, so the unwritten slots of
-    the cache are never attended to."""
+    the cache are never attended to. Patterns the kernels cannot apply raise instead of being dropped: chunked
+    attention longer than a chunk (Llama 4; transformers raises the same for flash-attn) and block-wise prefix
+    masks (PaliGemma's prefix-LM, block_sequence_ids)."""
+    parts = _mask_parts(mask_function)
+    if any(n.startswith("chunked_overlay") for n in parts) and kv_length + kv_offset > kwargs.get("local_size", 0):
+        raise ValueError(
+            f"attn_implementation={NAME!r} (flashcore) cannot apply chunked attention (attention_chunk_size="
+            f"{kwargs.get('local_size')}) and the key-value length {kv_length + kv_offset} exceeds one chunk; use "
+            "attn_implementation='sdpa' or 'eager' for this model."
+        )
+    if any(n.startswith("blockwise_overlay") for n in parts):
+        raise NotImplementedError(
+            f"attn_implementation={NAME!r} (flashcore) cannot apply this model's block-wise (prefix-LM) attention mask "
+            "(block_sequence_ids, e.g. PaliGemma); use attn_implementation='sdpa' or 'eager' for it."
+        )
     if kwargs.get("use_vmap"):  # or_/and_mask_function given: a pattern beyond padding + causal + window
         logger.warning_once(
             f"attn_implementation={NAME!r} (flashcore) applies only padding, causal and sliding-window masks; the "
@@ -180,6 +216,11 @@ def attention_forward(
             f"attn_implementation={NAME!r}: attention dropout={dropout} is not supported (flashcore has no attention "
             "dropout). Set config.attention_dropout=0.0, call model.eval(), or use attn_implementation='sdpa'."
         )
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError(
+            f"attn_implementation={NAME!r}: this model adds a position_bias to its attention scores (T5-style relative "
+            "position bias), which flashcore cannot apply; use attn_implementation='sdpa' or 'eager' for it."
+        )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise TypeError(
             f"attn_implementation={NAME!r}: got a {attention_mask.dim()}-D attention mask; flashcore takes 2-D "
@@ -198,6 +239,11 @@ def attention_forward(
         query, key, value = query.to(target), key.to(target), value.to(target)
     elif key.dtype != query.dtype or value.dtype != query.dtype:
         key, value = key.to(query.dtype), value.to(query.dtype)
+    if Dv > D:
+        raise NotImplementedError(
+            f"attn_implementation={NAME!r}: a value head dim ({Dv}) larger than the query/key head dim ({D}) is not "
+            "supported; use attn_implementation='sdpa' or 'eager'."
+        )
     if Dv != D:  # e.g. MLA: pad V to the query head dim, crop the output
         value = F.pad(value, (0, D - Dv))
 
@@ -223,6 +269,13 @@ def attention_forward(
         k_rows = k.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
         v_rows = v.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
         cu_k, max_k = _cu_seqlens(lengths_k), int(lengths_k.max())
+        if not is_causal and window is None:
+            # Encoders and cross-attention: the mask is the keys'; every query attends to its row's keys (padded query
+            # rows too, as under eager/sdpa), so the queries are not unpadded (a cross-attention's are not the keys').
+            cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=query.device)
+            out = _varlen_attention(q.reshape(B * Sq, Hq, D), k_rows, v_rows, cu_q, cu_k, Sq, max_k,
+                                    **varlen).view(B, Sq, Hq, D)
+            return (out[..., :Dv] if Dv != D else out), None
         if Sq == Sk:
             idx_q, cu_q, max_q = idx_k, cu_k, max_k
         elif Sq == 1:  # decoding: one query per sequence, its last position

@@ -1,0 +1,134 @@
+"""What code written for flash-attn 2.x observes beyond the public signatures (tests/test_variants.py,
+tests/test_varlen.py and tests/test_kvcache.py check those): the window flash-attn's C++ side actually applies when
+seqlen_q > seqlen_k, inputs without a contiguous last dimension, the package's top-level names, and the lower-level
+_flash_attn_forward/_backward functions that ring-attention libraries import. CPU (CI) tests; the same Python
+layer runs in front of the CUDA kernels."""
+
+import inspect
+
+import pytest
+import torch
+
+import flashcore
+import flashcore.flash_attn_interface as fai
+
+D = 32
+
+
+def _inputs(B, Sq, Sk, H=2, Hk=1, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, Sq, H, D, generator=g, dtype=dtype), torch.randn(B, Sk, Hk, D, generator=g, dtype=dtype),
+            torch.randn(B, Sk, Hk, D, generator=g, dtype=dtype))
+
+
+def _literal(q, k, v, window, causal=False):
+    """The op with the window taken literally (bottom-right aligned, -1 unbounded)."""
+    out, _ = torch.ops.flashcore.fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), D ** -0.5, causal,
+                                     True, window[0], window[1])
+    return out.transpose(1, 2)
+
+
+# (window_size as passed, the window flash-attn 2's mha_fwd + set_params_fprop make of it) for seqlen_q 12,
+# seqlen_k 5: a side >= seqlen_k becomes -1, then a one-sided window gets seqlen_k on its open side.
+FA2_WINDOWS = [((-1, 7), (-1, -1)), ((2, 7), (2, 5)), ((3, -1), (3, 5)), ((2, 4), (2, 4)), ((6, 1), (-1, 1)),
+               ((0, 0), (0, 0))]
+
+
+@pytest.mark.parametrize("given,applied", FA2_WINDOWS, ids=str)
+def test_window_as_flash_attn_applies_it(given, applied):
+    q, k, v = _inputs(2, 12, 5)
+    got = flashcore.flash_attn_func(q, k, v, window_size=given)
+    torch.testing.assert_close(got, _literal(q, k, v, applied), rtol=1e-12, atol=1e-12)
+    # varlen: the same rule with max_seqlen_k (flash-attn's mha_varlen_fwd)
+    cu_q = torch.tensor([0, 12, 24], dtype=torch.int32)
+    cu_k = torch.tensor([0, 5, 10], dtype=torch.int32)
+    got = flashcore.flash_attn_varlen_func(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), cu_q, cu_k, 12, 5,
+                                           window_size=torch.tensor(given))
+    torch.testing.assert_close(got, _literal(q, k, v, applied).flatten(0, 1), rtol=1e-12, atol=1e-12)
+
+
+def test_window_unchanged_when_queries_do_not_outnumber_keys():
+    q, k, v = _inputs(1, 9, 9)
+    for window in [(-1, 3), (3, -1), (2, 8), (20, 0)]:
+        torch.testing.assert_close(flashcore.flash_attn_func(q, k, v, window_size=window), _literal(q, k, v, window),
+                                   rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(flashcore.flash_attn_func(q, k, v, causal=True, window_size=(3, -1)),
+                               _literal(q, k, v, (3, 0), causal=True), rtol=1e-12, atol=1e-12)
+
+
+def test_inputs_without_contiguous_last_dim():
+    """flash-attn makes such inputs contiguous (maybe_contiguous); so does this interface."""
+    q, k, v = _inputs(2, 7, 9)
+    qs, ks, vs = (torch.stack([x, x], -1).flatten(-2)[..., ::2] for x in (q, k, v))  # same values, stride(-1) == 2
+    assert qs.stride(-1) == 2
+    want = flashcore.flash_attn_func(q, k, v, causal=True)
+    torch.testing.assert_close(flashcore.flash_attn_func(qs, ks, vs, causal=True), want, rtol=1e-12, atol=1e-12)
+    cu_q = torch.tensor([0, 7, 14], dtype=torch.int32)
+    cu_k = torch.tensor([0, 9, 18], dtype=torch.int32)
+    got = flashcore.flash_attn_varlen_func(qs.flatten(0, 1), ks.flatten(0, 1), vs.flatten(0, 1), cu_q, cu_k, 7, 9,
+                                           causal=True)
+    torch.testing.assert_close(got, want.flatten(0, 1), rtol=1e-12, atol=1e-12)
+
+
+def test_top_level_names():
+    """flash_attn/__init__.py exports the seven functions; `from flashcore import ...` finds the same ones."""
+    for name in fai.__all__:
+        assert getattr(flashcore, name) is getattr(fai, name), name
+    assert fai.maybe_contiguous(torch.zeros(3, 4).t()).is_contiguous()
+
+
+def test_lower_level_functions_signatures():
+    """The argument lists of flash-attn 2.8's _flash_attn_forward / _backward and their varlen forms."""
+    params = {f: list(inspect.signature(getattr(fai, f)).parameters) for f in (
+        "_flash_attn_forward", "_flash_attn_backward", "_flash_attn_varlen_forward", "_flash_attn_varlen_backward")}
+    assert params["_flash_attn_forward"] == [
+        "q", "k", "v", "dropout_p", "softmax_scale", "causal", "window_size_left", "window_size_right", "softcap",
+        "alibi_slopes", "return_softmax"]
+    assert params["_flash_attn_backward"] == [
+        "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "dropout_p", "softmax_scale", "causal",
+        "window_size_left", "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state"]
+    assert params["_flash_attn_varlen_forward"] == [
+        "q", "k", "v", "cu_seqlens_q", "cu_seqlens_k", "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale",
+        "causal", "window_size_left", "window_size_right", "softcap", "alibi_slopes", "return_softmax", "block_table",
+        "leftpad_k", "seqused_k", "zero_tensors", "num_splits"]
+    assert params["_flash_attn_varlen_backward"] == [
+        "dout", "q", "k", "v", "out", "softmax_lse", "dq", "dk", "dv", "cu_seqlens_q", "cu_seqlens_k",
+        "max_seqlen_q", "max_seqlen_k", "dropout_p", "softmax_scale", "causal", "window_size_left",
+        "window_size_right", "softcap", "alibi_slopes", "deterministic", "rng_state", "zero_tensors"]
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (4, 2)])
+def test_lower_level_forward_backward(window):
+    """Ring-attention style use: _flash_attn_forward, then _flash_attn_backward into preallocated gradients; equal to
+    flash_attn_func's output and autograd gradients; softmax_d = rowsum(dout * out) padded to 128 rows."""
+    q, k, v = (x.requires_grad_() for x in _inputs(2, 37, 29, seed=3))
+    scale = 0.2
+    out, lse, s_dmask, rng = fai._flash_attn_forward(q, k, v, 0.0, scale, True, *window, 0.0, None, False)
+    want, want_lse, _ = flashcore.flash_attn_func(q, k, v, 0.0, scale, True, window, return_attn_probs=True)
+    torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
+    assert s_dmask is None and rng is None
+    dout = torch.randn_like(out)
+    grads = torch.autograd.grad(want, (q, k, v), dout)
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+    softmax_d = fai._flash_attn_backward(dout, q, k, v, out.detach(), lse, dq, dk, dv, 0.0, scale, True, *window,
+                                         0.0, None, False)
+    for got, ref in zip((dq, dk, dv), grads):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    assert softmax_d.shape == (2, 2, 128)
+    torch.testing.assert_close(softmax_d[..., :37], (dout * out).sum(-1).transpose(1, 2).float())
+    assert not softmax_d[..., 37:].any()
+
+    cu_q = torch.tensor([0, 37, 74], dtype=torch.int32)
+    cu_k = torch.tensor([0, 29, 58], dtype=torch.int32)
+    qv, kv_, vv = (x.detach().flatten(0, 1) for x in (q, k, v))
+    out_v, lse_v, _, _ = fai._flash_attn_varlen_forward(qv, kv_, vv, cu_q, cu_k, 37, 29, 0.0, scale, True, *window)
+    torch.testing.assert_close(out_v, want.detach().flatten(0, 1), rtol=1e-12, atol=1e-12)
+    assert lse_v.shape == (2, 74)
+    dq, dk, dv = (torch.empty_like(x) for x in (qv, kv_, vv))
+    fai._flash_attn_varlen_backward(dout.flatten(0, 1), qv, kv_, vv, out_v, lse_v, dq, dk, dv, cu_q, cu_k, 37, 29,
+                                    0.0, scale, True, *window, 0.0, None, False)
+    for got, ref in zip((dq, dk, dv), grads):
+        torch.testing.assert_close(got, ref.flatten(0, 1), rtol=1e-10, atol=1e-12)
+    with pytest.raises(NotImplementedError, match="dropout_p"):
+        fai._flash_attn_forward(q, k, v, 0.1, scale, True, -1, -1, 0.0, None, False)
