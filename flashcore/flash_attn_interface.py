@@ -45,9 +45,6 @@ def maybe_contiguous(x):
     return x.contiguous() if x is not None and x.stride(-1) != 1 else x
 
 
-_maybe_contiguous = maybe_contiguous
-
-
 def _flash_window(left, right, causal, seqlen_q, seqlen_k):
     """The window flash-attn 2's kernels apply for window_size=(left, right) (csrc/flash_attn/flash_api.cpp: mha_fwd,
     mha_varlen_fwd and mha_fwd_kvcache, then set_params_fprop): causal sets right = 0; a side >= seqlen_k becomes
@@ -517,7 +514,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     left, right = _flash_window(left, right, causal, Sq, capacity)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
-    q, k, v = (_maybe_contiguous(x) for x in (q, k, v))
+    q, k, v = (maybe_contiguous(x) for x in (q, k, v))
 
     if rotary_cos is not None:
         # Positions as flash-attn's kernel reads cos/sin (csrc/flash_attn/src/flash_fwd_kernel.h,

@@ -272,11 +272,9 @@ def attention_forward(
         if not is_causal and window is None:
             # Encoders and cross-attention: the mask is the keys'; every query attends to its row's keys (padded query
             # rows too, as under eager/sdpa), so the queries are not unpadded (a cross-attention's are not the keys').
+            idx_q, max_q = None, Sq
             cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=query.device)
-            out = _varlen_attention(q.reshape(B * Sq, Hq, D), k_rows, v_rows, cu_q, cu_k, Sq, max_k,
-                                    **varlen).view(B, Sq, Hq, D)
-            return (out[..., :Dv] if Dv != D else out), None
-        if Sq == Sk:
+        elif Sq == Sk:
             idx_q, cu_q, max_q = idx_k, cu_k, max_k
         elif Sq == 1:  # decoding: one query per sequence, its last position
             idx_q = torch.arange(B, device=query.device)
@@ -286,9 +284,13 @@ def attention_forward(
             lengths_q = mask_q.sum(dim=-1, dtype=torch.int32)
             idx_q = mask_q.flatten().nonzero().flatten()
             cu_q, max_q = _cu_seqlens(lengths_q), int(lengths_q.max())
-        q_rows = q.reshape(B * Sq, Hq, D).index_select(0, idx_q)
-        out_rows = _varlen_attention(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, **varlen)
-        out = out_rows.new_zeros(B * Sq, Hq, D).index_copy(0, idx_q, out_rows).view(B, Sq, Hq, D)
+        q_rows = q.reshape(B * Sq, Hq, D)
+        if idx_q is not None:
+            q_rows = q_rows.index_select(0, idx_q)
+        out = _varlen_attention(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, **varlen)
+        if idx_q is not None:
+            out = out.new_zeros(B * Sq, Hq, D).index_copy(0, idx_q, out)
+        out = out.view(B, Sq, Hq, D)
     elif all(x is not None for x in (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)):
         # Padding-free batch with precomputed boundaries (DataCollatorWithFlattening(return_flash_attn_kwargs=True)).
         cu_q = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
