@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .ops import _check_tensor, pad_head_dim, window_pair
+from .ops import _check_tensor, float_arg, pad_head_dim, window_pair
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
@@ -45,13 +45,16 @@ def maybe_contiguous(x):
     return x.contiguous() if x is not None and x.stride(-1) != 1 else x
 
 
-def _flash_window(left, right, causal, seqlen_q, seqlen_k):
+def _flash_window(left, right, causal, seqlen_q, seqlen_k, fn):
     """The window flash-attn 2's kernels apply for window_size=(left, right) (csrc/flash_attn/flash_api.cpp: mha_fwd,
     mha_varlen_fwd and mha_fwd_kvcache, then set_params_fprop): causal sets right = 0; a side >= seqlen_k becomes
     unbounded; then a one-sided window gets seqlen_k on its unbounded side. The last step changes the mask where
     seqlen_q > seqlen_k + 1 (query i then sees keys up to i + 2 seqlen_k - seqlen_q only). Bounds that no query meets
     (left >= seqlen_k - 1, right >= seqlen_q - 1) go back to -1, so the op keeps its unbanded kernels. Varlen calls
-    pass max_seqlen_q/k, as flash-attn does."""
+    pass max_seqlen_q/k, as flash-attn does. Values below -1 are refused (flash-attn's C++ would take them as -1)."""
+    for value, side, i in ((left, "window_left", 0), (right, "window_right", 1)):
+        if value < -1:
+            raise RuntimeError(f"{fn}: {side} (window_size[{i}]) must be -1 (unbounded) or >= 0; got {value}")
     if causal:
         right = 0
     left = -1 if left >= seqlen_k else left
@@ -80,7 +83,8 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
             raise RuntimeError(f"{fn}: {name} must be 4-D (batch, seqlen, nheads, headdim); got {t.dim()}-D with "
                                f"shape {tuple(t.shape)}")
     _check_dropout(dropout_p, fn)
-    left, right = _flash_window(*window_pair(window_size, fn), causal, q.size(1), k.size(1))
+    left, right = _flash_window(*window_pair(window_size, fn), causal, q.size(1), k.size(1), fn)
+    softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
     (q, k, v), head_dim = pad_head_dim([maybe_contiguous(x) for x in (q, k, v)])
@@ -139,7 +143,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
             raise RuntimeError(f"{fn}: {name} must be {want}-D ({shape}; got {t.dim()}-D with shape "
                                f"{tuple(t.shape)}")
     _check_dropout(dropout_p, fn)
-    left, right = _flash_window(*window_pair(window_size, fn), causal, int(max_seqlen_q), int(max_seqlen_k))
+    left, right = _flash_window(*window_pair(window_size, fn), causal, int(max_seqlen_q), int(max_seqlen_k),
+                                fn)
+    softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
@@ -247,7 +253,8 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     (batch, nheads, seqlen_q rounded up to 128) float32, rowsum(dout * out)."""
     fn = "_flash_attn_backward"
     _check_dropout(dropout_p, fn)
-    left, right = _flash_window(window_size_left, window_size_right, causal, q.size(1), k.size(1))
+    left, right = _flash_window(*window_pair((window_size_left, window_size_right), fn), causal, q.size(1),
+                                 k.size(1), fn)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
     head_dim = q.size(-1)
@@ -287,7 +294,8 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     softmax_d (nheads, total_q) float32, rowsum(dout * out)."""
     fn = "_flash_attn_varlen_backward"
     _check_dropout(dropout_p, fn)
-    left, right = _flash_window(window_size_left, window_size_right, causal, int(max_seqlen_q), int(max_seqlen_k))
+    left, right = _flash_window(*window_pair((window_size_left, window_size_right), fn), causal,
+                                 int(max_seqlen_q), int(max_seqlen_k), fn)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
     head_dim = q.size(-1)
@@ -511,7 +519,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     left = -1 if left >= capacity else left
     right = -1 if right >= capacity else right
     local = left >= 0 or right >= 0
-    left, right = _flash_window(left, right, causal, Sq, capacity)
+    left, right = _flash_window(left, right, causal, Sq, capacity, fn)
+    softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
     if softmax_scale is None:
         softmax_scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))

@@ -80,6 +80,11 @@ def _check_tensor(t, name, fn="flashcore.attention"):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(t).__name__}")
 
 
+# A window side this wide reaches past any sequence (lengths stay below 2^31): the same as unbounded, and kept out of
+# the kernels' 64-bit diagonal arithmetic, which a value near 2^63 would overflow.
+_UNBOUNDED_WINDOW = 1 << 31
+
+
 def window_pair(window_size, fn) -> tuple[int, int]:
     """(left, right) from None, a pair of ints, or a 2-element tensor/list (flash-attn code passes all three)."""
     if window_size is None:
@@ -87,11 +92,29 @@ def window_pair(window_size, fn) -> tuple[int, int]:
     if isinstance(window_size, torch.Tensor):
         window_size = window_size.tolist()
     try:
-        left, right = (int(x) for x in window_size)
+        left, right = window_size
+        if any(isinstance(x, float) and not x.is_integer() for x in (left, right)):
+            raise ValueError
+        left, right = int(left), int(right)
     except (TypeError, ValueError):
         raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints, -1 for unbounded; got "
                         f"{window_size!r}") from None
-    return left, right
+    return tuple(-1 if x >= _UNBOUNDED_WINDOW else x for x in (left, right))
+
+
+def float_arg(value, name, fn, default=None, float32=False) -> float:
+    """A float argument (scale, softcap) as the op takes it, or a TypeError naming it; None gives `default` when
+    one is given. float32: the kernels hold the value in float32 (softcap), so a magnitude beyond its range is
+    refused here rather than turned into inf/NaN scores there."""
+    if value is None and default is not None:
+        return default
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{fn}: {name} must be a float; got {value!r}") from None
+    if float32 and math.isfinite(out) and abs(out) > 3.4e38:
+        raise ValueError(f"{fn}: {name}={value!r} is beyond float32's range, in which the kernels apply it")
+    return out
 
 
 def pad_head_dim(tensors, multiple=8):
@@ -167,14 +190,16 @@ def attention(
             f"flashcore.attention: query has {query.size(1)} heads but key has {key.size(1)}; pass enable_gqa=True "
             "for grouped-query attention"
         )
-    left, right = window_pair(window_size, "flashcore.attention")
+    fn = "flashcore.attention"
+    left, right = window_pair(window_size, fn)
     if scale is None:
         head_dim = query.size(-1)
         softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
     else:
-        softmax_scale = float(scale)
+        softmax_scale = float_arg(scale, "scale", fn)
+    softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
     (query, key, value), head_dim = pad_head_dim([query, key, value])
-    out, lse = _fwd_op(query, key, value, softmax_scale, bool(is_causal), False, left, right, float(softcap),
+    out, lse = _fwd_op(query, key, value, softmax_scale, bool(is_causal), False, left, right, softcap,
                        bool(deterministic), sinks, alibi_slopes)
     if out.size(-1) != head_dim:
         out = out[..., :head_dim]
@@ -223,7 +248,8 @@ def varlen_attention(
     if scale is None:
         softmax_scale = 1.0 / math.sqrt(query.size(-1)) if query.size(-1) > 0 else 1.0
     else:
-        softmax_scale = float(scale)
+        softmax_scale = float_arg(scale, "scale", fn)
+    softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
     (query, key, value), head_dim = pad_head_dim([query, key, value])
     out, lse = _varlen_fwd_op(query, key, value, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
                               softmax_scale, bool(is_causal), left, right, float(softcap), bool(deterministic), sinks,

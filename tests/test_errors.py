@@ -118,6 +118,35 @@ def test_empty_inputs_like_sdpa(shape_q, shape_kv):
     assert torch.count_nonzero(q.grad) == 0 or q.numel() == 0
 
 
+def test_no_keys_with_sinks_gives_the_sink():
+    """Sk = 0 with sinks: out 0 and lse = the head's sink, as rows that see no key get when Sk > 0."""
+    q = torch.randn(2, 3, 4, 8)
+    k = v = torch.randn(2, 3, 0, 8)
+    sinks = torch.tensor([0.5, -1.0, float("-inf")])
+    out, lse = flashcore.attention(q, k, v, sinks=sinks, return_lse=True)
+    assert not out.any()
+    torch.testing.assert_close(lse, sinks.view(1, 3, 1).expand(2, 3, 4), rtol=0, atol=0)
+    _, lse_window = flashcore.attention(q, torch.randn(2, 3, 5, 8), torch.randn(2, 3, 5, 8), sinks=sinks,
+                                        window_size=(0, -1), is_causal=True, return_lse=True)  # rows 0..3 see keys
+    assert torch.isfinite(lse_window[:, :2]).all()
+
+
+def test_head_dim_one_single_element():
+    """A (1, 1, 1, 1) grad_out has strides PyTorch calls contiguous ([0, 0, 0, 0] after a sum's expand); a last dim
+    of size 1 has no stride to check."""
+    q = torch.randn(1, 1, 1, 1, requires_grad=True, dtype=torch.float64)
+    k = torch.randn(1, 1, 3, 1, requires_grad=True, dtype=torch.float64)
+    v = torch.randn(1, 1, 3, 1, requires_grad=True, dtype=torch.float64)
+    flashcore.attention(q, k, v).sum().backward()
+    q2, k2, v2 = (x.detach().clone().requires_grad_() for x in (q, k, v))
+    F.scaled_dot_product_attention(q2, k2, v2).sum().backward()
+    for got, want in ((q.grad, q2.grad), (k.grad, k2.grad), (v.grad, v2.grad)):
+        torch.testing.assert_close(got, want)
+    strided = torch.randn(1, 2, 5, 2, dtype=torch.float64)[..., :1]  # last stride 2, size 1
+    out = flashcore.attention(strided, strided, strided)
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(strided, strided, strided))
+
+
 @pytest.mark.parametrize("heads", [2**31, 2**32], ids=["2^31", "2^32"])
 def test_empty_inputs_with_huge_head_count(heads):
     # Zero-length sequences, so no kernel runs; the call's divisors (heads, group) are still built on the host

@@ -132,3 +132,37 @@ def test_lower_level_forward_backward(window):
         torch.testing.assert_close(got, ref.flatten(0, 1), rtol=1e-10, atol=1e-12)
     with pytest.raises(NotImplementedError, match="dropout_p"):
         fai._flash_attn_forward(q, k, v, 0.1, scale, True, -1, -1, 0.0, None, False)
+
+
+def test_window_and_float_arguments():
+    """A window side past any length is unbounded (not an overflow of the kernels' 64-bit diagonals); fractional
+    windows, sides below -1 (also through the flash-attn interface, whose C++ original would take them as -1),
+    non-numeric or float32-overflowing softcap and scale raise, naming the argument."""
+    q, k, v = _inputs(1, 5, 7, H=2, Hk=2)
+    qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
+    want = flashcore.attention(qb, kb, vb)
+    for big in (2**63 - 1, 2**40):
+        torch.testing.assert_close(flashcore.attention(qb, kb, vb, window_size=(-1, big)), want, rtol=1e-12,
+                                   atol=1e-12)
+        torch.testing.assert_close(flashcore.flash_attn_func(q, k, v, window_size=(big, big)), want.transpose(1, 2),
+                                   rtol=1e-12, atol=1e-12)
+    cu_q = torch.tensor([0, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7], dtype=torch.int32)
+    got = flashcore.varlen_attention(q[0], k[0], v[0], cu_q, cu_k, 5, 7, window_size=(2**63 - 1, 2**63 - 1))
+    torch.testing.assert_close(got, want.transpose(1, 2)[0], rtol=1e-12, atol=1e-12)
+    with pytest.raises(TypeError, match="window_size must be a pair"):
+        flashcore.attention(qb, kb, vb, window_size=(1.7, 1))
+    for window, side in (((-5, 3), "window_left"), ((3, -7), "window_right")):
+        with pytest.raises(RuntimeError, match=side):
+            flashcore.flash_attn_func(q, k, v, window_size=window)
+        with pytest.raises(RuntimeError, match=side):
+            flashcore.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 5, 7, window_size=window)
+    with pytest.raises(TypeError, match="softcap"):
+        flashcore.attention(qb, kb, vb, softcap="x")
+    with pytest.raises(ValueError, match="softcap"):
+        flashcore.attention(qb, kb, vb, softcap=1e39)
+    with pytest.raises(ValueError, match="softcap"):
+        flashcore.flash_attn_func(q, k, v, softcap=1e39)
+    with pytest.raises(TypeError, match="scale"):
+        flashcore.attention(qb, kb, vb, scale="x")
+    torch.testing.assert_close(flashcore.attention(qb, kb, vb, softcap=None), want, rtol=0, atol=0)

@@ -27,7 +27,8 @@ void check_one(const at::Tensor& t, const char* name, const BackendLimits& limit
   TORCH_CHECK(low || (high && limits.allow_fp32_fp64), "flashcore: ", name, " has dtype ", dtype_name(dt),
               "; the ", limits.name, " kernels support ",
               limits.allow_fp32_fp64 ? "float16, bfloat16, float32 and float64" : "float16 and bfloat16");
-  TORCH_CHECK(t.numel() == 0 || t.stride(3) == 1, "flashcore: ", name,
+  // A last dim of size 1 has no stride to speak of (PyTorch calls such tensors contiguous whatever it is).
+  TORCH_CHECK(t.numel() == 0 || t.stride(3) == 1 || t.size(3) == 1, "flashcore: ", name,
               " must have a contiguous last dimension (stride 1); got strides ", t.strides(),
               ". Call .contiguous() on it first.");
 }
@@ -104,7 +105,7 @@ void check_same_shape(const at::Tensor& t, const at::Tensor& ref, const char* na
               dtype_name(t.scalar_type()), " but ", ref_name, " has dtype ", dtype_name(ref.scalar_type()));
   TORCH_CHECK(t.device() == ref.device(), "flashcore: ", name, " is on ", t.device(), " but ", ref_name, " is on ",
               ref.device());
-  TORCH_CHECK(t.numel() == 0 || t.stride(-1) == 1, "flashcore: ", name,
+  TORCH_CHECK(t.numel() == 0 || t.stride(-1) == 1 || t.size(-1) == 1, "flashcore: ", name,
               " must have a contiguous last dimension (stride 1); got strides ", t.strides());
 }
 
@@ -245,11 +246,10 @@ BwdParams make_bwd_params(const at::Tensor& grad_out, const at::Tensor& query, c
   return p;
 }
 
-bool fwd_is_trivial(const FwdParams& p, at::Tensor& out, at::Tensor& lse) {
+bool fwd_is_trivial(const FwdParams& p, at::Tensor& out, at::Tensor& lse, const AttentionOptions& opts) {
   if (p.batch == 0 || p.heads_q == 0 || p.seqlen_q == 0 || p.head_dim == 0) return true;
   if (p.seqlen_k == 0) {
-    out.zero_();
-    lse.fill_(-std::numeric_limits<float>::infinity());
+    fill_no_key_outputs(out, lse, opts);  // lse = the sink where there is one, as the kernels give no-key rows
     return true;
   }
   return false;

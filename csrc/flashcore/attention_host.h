@@ -119,8 +119,8 @@ at::Tensor packed_as_bhsd(const at::Tensor& t);
 
 // True when there is nothing for a kernel to do; the caller has already filled the outputs:
 // an empty batch/head/query length leaves empty outputs; an empty key length gives out = 0 and lse = -inf
-// (softmax over an empty set, as SDPA's math path), and zero gradients.
-bool fwd_is_trivial(const FwdParams& p, at::Tensor& out, at::Tensor& lse);
+// (softmax over an empty set, as SDPA's math path) or the head's sink, and zero gradients.
+bool fwd_is_trivial(const FwdParams& p, at::Tensor& out, at::Tensor& lse, const AttentionOptions& opts);
 bool bwd_is_trivial(const at::Tensor& query, const at::Tensor& key, at::Tensor& grad_query, at::Tensor& grad_key,
                     at::Tensor& grad_value);
 

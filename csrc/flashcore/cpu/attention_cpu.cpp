@@ -24,7 +24,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cpu(const at::Tensor& query, const at::Te
   check_fwd_inputs(query, key, value, opts, kCpuLimits);
   auto [out, lse] = alloc_fwd_outputs(query);
   const FwdParams p = make_fwd_params(query, key, value, out, lse, opts);
-  if (!fwd_is_trivial(p, out, lse)) {
+  if (!fwd_is_trivial(p, out, lse, opts)) {
     record_kernel(Pass::kFwd, KernelTrace{"cpu"});
     cpu::fwd_kernel(p, query.scalar_type());
   }

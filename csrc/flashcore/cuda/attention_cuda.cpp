@@ -119,7 +119,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at
   const at::Tensor key = aligned_for_16b_loads(key_in);
   const at::Tensor value = aligned_for_16b_loads(value_in);
   const FwdParams p = make_fwd_params(query, key, value, out, lse, opts);
-  if (fwd_is_trivial(p, out, lse)) return {out, lse};
+  if (fwd_is_trivial(p, out, lse, opts)) return {out, lse};
 
   const cuda::FwdKernelEntry& kernel = select_fwd_kernel(query, key, value, prop, transforms_scores(opts));
   record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile, 0, 1, false, kernel.score_mod});
