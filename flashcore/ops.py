@@ -80,11 +80,6 @@ def _check_tensor(t, name, fn="flashcore.attention"):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(t).__name__}")
 
 
-# A window side this wide reaches past any sequence (lengths stay below 2^31): the same as unbounded, and kept out of
-# the kernels' 64-bit diagonal arithmetic, which a value near 2^63 would overflow.
-_UNBOUNDED_WINDOW = 1 << 31
-
-
 def window_pair(window_size, fn) -> tuple[int, int]:
     """(left, right) from None, a pair of ints, or a 2-element tensor/list (flash-attn code passes all three)."""
     if window_size is None:
@@ -99,7 +94,7 @@ def window_pair(window_size, fn) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints, -1 for unbounded; got "
                         f"{window_size!r}") from None
-    return tuple(-1 if x >= _UNBOUNDED_WINDOW else x for x in (left, right))
+    return left, right
 
 
 def float_arg(value, name, fn, default=None, float32=False) -> float:

@@ -118,6 +118,11 @@ Strides strides_of(const at::Tensor& t) {
 AttentionOptions make_options(double softmax_scale, bool is_causal, bool causal_bottom_right, int64_t window_left,
                               int64_t window_right, double softcap, const std::optional<at::Tensor>& sinks,
                               const std::optional<at::Tensor>& alibi_slopes) {
+  // A window side of 2^31 or more reaches past any sequence (lengths stay below 2^31): unbounded, and kept out of
+  // the band's 64-bit diagonal arithmetic (mask.h), which a side near 2^63 would overflow.
+  constexpr int64_t kUnboundedWindow = int64_t(1) << 31;
+  if (window_left >= kUnboundedWindow) window_left = -1;
+  if (window_right >= kUnboundedWindow) window_right = -1;
   AttentionOptions o{softmax_scale, is_causal, causal_bottom_right, window_left, window_right, softcap, {}, {}};
   // The kernels index the vectors with their strides (ALiBi) or contiguously (sinks, one float a head).
   if (sinks.has_value() && sinks->defined()) o.sinks = sinks->dim() == 1 ? sinks->contiguous() : *sinks;
