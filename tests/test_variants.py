@@ -145,6 +145,24 @@ def test_variant_gradcheck_float64(request, variant):
     assert torch.autograd.gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
+@pytest.mark.parametrize("softcap", [1e3, 1e4, 1e5])
+def test_large_softcap_float32_cpu(request, softcap):
+    """A large cap makes tanh's arguments small, where (1 - e) / (1 + e) cancels: the CPU kernel's float32 tanh must
+    stay within the rule there too (it was 8x torch's error at 1e3, 100x at 1e4)."""
+    g = make_generator(request)
+    q, k, v = (torch.randn(1, 2, 64, 64, generator=g) for _ in range(3))
+    scale = 64 ** -0.5
+
+    def attend(q, k, v):
+        s = (q @ k.transpose(-1, -2)) * scale
+        return torch.softmax(softcap * torch.tanh(s / softcap), -1) @ v
+
+    ref = attend(q.double(), k.double(), v.double())
+    err = (flashcore.attention(q, k, v, softcap=softcap).double() - ref).abs().max().item()
+    torch_err = (attend(q, k, v).double() - ref).abs().max().item()
+    assert err <= 2 * torch_err + 1e-7, (err, torch_err)
+
+
 def test_flash_attn_func_signature_and_semantics(request):
     """flash-attn 2.x's flash_attn_func: positional order (q, k, v, dropout_p, softmax_scale, causal, window_size,
     softcap, alibi_slopes, deterministic, return_attn_probs), bottom-right windows, window_size as a tensor,
