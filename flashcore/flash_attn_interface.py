@@ -68,6 +68,13 @@ def _flash_window(left, right, causal, seqlen_q, seqlen_k, fn):
     return left, right
 
 
+def _scale(softmax_scale, head_dim, fn):
+    """flash-attn's default 1/sqrt(headdim) (of the unpadded head dim), or the caller's value as a float."""
+    if softmax_scale is None:
+        return 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+    return float_arg(softmax_scale, "softmax_scale", fn)
+
+
 def _check_dropout(dropout_p, fn):
     if dropout_p:
         raise NotImplementedError(f"{fn}: dropout_p={dropout_p} is not supported (flashcore has no dropout); "
@@ -85,8 +92,7 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     _check_dropout(dropout_p, fn)
     left, right = _flash_window(*window_pair(window_size, fn), causal, q.size(1), k.size(1), fn)
     softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
+    softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     (q, k, v), head_dim = pad_head_dim([maybe_contiguous(x) for x in (q, k, v)])
     out, lse = _fwd_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), float(softmax_scale), bool(causal),
                        True, left, right, float(softcap), bool(deterministic), sinks, alibi_slopes)
@@ -146,8 +152,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     left, right = _flash_window(*window_pair(window_size, fn), causal, int(max_seqlen_q), int(max_seqlen_k),
                                 fn)
     softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
+    softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
     if block_table is not None:
         return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
@@ -255,8 +260,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     _check_dropout(dropout_p, fn)
     left, right = _flash_window(*window_pair((window_size_left, window_size_right), fn), causal, q.size(1),
                                  k.size(1), fn)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
+    softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     head_dim = q.size(-1)
     (q_, k_, v_, o_, do_), _ = pad_head_dim([maybe_contiguous(x) for x in (q, k, v, out, dout)])
     grads = _bwd_op(do_.transpose(1, 2), q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2),
@@ -296,8 +300,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     _check_dropout(dropout_p, fn)
     left, right = _flash_window(*window_pair((window_size_left, window_size_right), fn), causal,
                                  int(max_seqlen_q), int(max_seqlen_k), fn)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(q.size(-1)) if q.size(-1) > 0 else 1.0
+    softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     head_dim = q.size(-1)
     (q_, k_, v_, o_, do_), _ = pad_head_dim([maybe_contiguous(x) for x in (q, k, v, out, dout)])
     grads = _varlen_bwd_op(do_, q_, k_, v_, o_, softmax_lse, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q),
@@ -521,8 +524,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     local = left >= 0 or right >= 0
     left, right = _flash_window(left, right, causal, Sq, capacity, fn)
     softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
-    if softmax_scale is None:
-        softmax_scale = 1.0 / math.sqrt(D) if D > 0 else 1.0
+    softmax_scale = _scale(softmax_scale, D, fn)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
 
     if rotary_cos is not None:

@@ -56,6 +56,26 @@ constexpr int bwd_varlen_tile() {
   return BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/true>::kBlockN;
 }
 
+// The dK/dV tensor maps of the TMA epilogue (write_dk_dv_tma): 64-key boxes over (batch, heads_kv, rows, dim), rows
+// = seqlen_k (dense) or total_k (varlen, batch 1). Used where TMA can describe grad_key and grad_value (they take the
+// inputs' strides) and the switch allows; the split-head-dim consumers store directly. Otherwise tma is false and the
+// maps are placeholders (tm_k, tm_v) the kernel never reads.
+struct DkDvMaps {
+  bool tma;
+  CUtensorMap dk, dv;
+};
+
+template <typename Traits>
+DkDvMaps dk_dv_maps(const BwdParams& p, int64_t batch, int64_t rows, const CUtensorMap& tm_k,
+                    const CUtensorMap& tm_v, bool bf16) {
+  const bool tma = !Traits::kSplitHeadDim && bwd_tma_epilogue_enabled() &&
+                   tma_compatible(p.dk, p.dk_stride, batch, p.heads_kv, rows) &&
+                   tma_compatible(p.dv, p.dv_stride, batch, p.heads_kv, rows);
+  if (!tma) return {false, tm_k, tm_v};
+  return {true, make_tensor_map_bhsd(p.dk, p.dk_stride, batch, p.heads_kv, rows, p.head_dim, 64, bf16),
+          make_tensor_map_bhsd(p.dv, p.dv_stride, batch, p.heads_kv, rows, p.head_dim, 64, bf16)};
+}
+
 // kWideSteps: the 80-row kernel (BwdSm90Traits::kWideSteps).
 template <int kHeadDim, typename Element, bool kScoreMod, bool kWideSteps = false>
 void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStream_t stream) {
@@ -83,21 +103,11 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
                                                  Traits::kDqBoxCols, Traits::kDqBoxRows)
           : make_tensor_map_f32_2d(dq_accum, p.batch * p.heads_q * dq_rows, p.head_dim, Traits::kDqBoxCols,
                                    Traits::kDqBoxRows);
-  // dK and dV through shared memory and TMA stores (consume_bwd) where TMA can describe them (grad_key/grad_value
-  // take the inputs' strides) and the switch allows; the split-head-dim consumers store directly.
-  const bool tma_epilogue = !Traits::kSplitHeadDim && bwd_tma_epilogue_enabled() &&
-                            tma_compatible(p.dk, p.dk_stride, p.batch, p.heads_kv, p.seqlen_k) &&
-                            tma_compatible(p.dv, p.dv_stride, p.batch, p.heads_kv, p.seqlen_k);
-  const CUtensorMap tm_dk = tma_epilogue ? make_tensor_map_bhsd(p.dk, p.dk_stride, p.batch, p.heads_kv, p.seqlen_k,
-                                                                p.head_dim, 64, kBf16)
-                                         : tm_k;
-  const CUtensorMap tm_dv = tma_epilogue ? make_tensor_map_bhsd(p.dv, p.dv_stride, p.batch, p.heads_kv, p.seqlen_k,
-                                                                p.head_dim, 64, kBf16)
-                                         : tm_v;
+  const DkDvMaps dkdv = dk_dv_maps<Traits>(p, p.batch, p.seqlen_k, tm_k, tm_v, kBf16);
   const int num_n_blocks = (int)((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
   const int64_t grid = (int64_t)num_n_blocks * p.batch * p.heads_kv;  // the dispatcher checked grid <= INT32_MAX
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(
-      p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, dsum, num_n_blocks, tma_epilogue);
+      p, tm_q, tm_k, tm_v, tm_do, tm_dq, dkdv.dk, dkdv.dv, dsum, num_n_blocks, dkdv.tma);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -144,15 +154,9 @@ void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, c
   const int64_t grid = p.varlen.tile_end != nullptr ? p.varlen.grid_tiles * p.heads_kv
                                                     : (int64_t)num_n_blocks * p.batch * p.heads_kv;
   // dK and dV through TMA for the warpgroups whose 64 keys are all their sequence's (write_dk_dv_tma).
-  const bool tma_epilogue = bwd_tma_epilogue_enabled() && !Traits::kSplitHeadDim &&
-                            tma_compatible(p.dk, p.dk_stride, 1, p.heads_kv, total_k) &&
-                            tma_compatible(p.dv, p.dv_stride, 1, p.heads_kv, total_k);
-  const CUtensorMap tm_dk =
-      tma_epilogue ? make_tensor_map_bhsd(p.dk, p.dk_stride, 1, p.heads_kv, total_k, p.head_dim, 64, kBf16) : tm_k;
-  const CUtensorMap tm_dv =
-      tma_epilogue ? make_tensor_map_bhsd(p.dv, p.dv_stride, 1, p.heads_kv, total_k, p.head_dim, 64, kBf16) : tm_v;
+  const DkDvMaps dkdv = dk_dv_maps<Traits>(p, 1, total_k, tm_k, tm_v, kBf16);
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(
-      p, tm_q, tm_k, tm_v, tm_do, tm_dq, tm_dk, tm_dv, dsum, num_n_blocks, tma_epilogue);
+      p, tm_q, tm_k, tm_v, tm_do, tm_dq, dkdv.dk, dkdv.dv, dsum, num_n_blocks, dkdv.tma);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -23,6 +23,16 @@ EncodeTiledFn encode_tiled() {
   return fn;
 }
 
+// Every map here: unit element strides, 128-byte swizzle (the layout the kernels' shared-memory tiles and wgmma
+// descriptors assume), 256-byte L2 promotion, zero fill out of bounds. strides has rank - 1 entries (bytes).
+CUresult encode_swizzled(CUtensorMap* map, CUtensorMapDataType dtype, cuuint32_t rank, const void* base,
+                         const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box) {
+  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
+  return encode_tiled()(map, dtype, rank, const_cast<void*>(base), dims, strides, box, elem_strides,
+                        CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                        CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
 constexpr int64_t kMaxStrideBytes = int64_t(1) << 40;
 
 bool stride_ok(int64_t stride_elems, int64_t extent) {
@@ -54,11 +64,8 @@ CUtensorMap make_tensor_map_bhsd(const void* base, const Strides& s, int64_t bat
   const cuuint64_t batch_b = stride_bytes(s.batch, batch, head_b * dims[2]);
   const cuuint64_t strides[3] = {seq_b, head_b, batch_b};
   const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult res = encode_tiled()(
-      &map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16, 4, const_cast<void*>(base),
-      dims, strides, box, elem_strides, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult res = encode_swizzled(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                                       4, base, dims, strides, box);
   TORCH_CHECK(res == CUDA_SUCCESS, "flashcore: cuTensorMapEncodeTiled failed (CUresult ", (int)res,
               ") for a tensor of shape (", batch, ", ", heads, ", ", seqlen, ", ", head_dim, ") with strides (",
               s.batch, ", ", s.head, ", ", s.seq, ", 1)");
@@ -70,10 +77,7 @@ CUtensorMap make_tensor_map_f32_2d(void* base, int64_t rows, int64_t cols, int b
   const cuuint64_t dims[2] = {(cuuint64_t)cols, (cuuint64_t)rows};
   const cuuint64_t strides[1] = {(cuuint64_t)cols * 4};
   const cuuint32_t box[2] = {(cuuint32_t)box_cols, (cuuint32_t)box_rows};
-  const cuuint32_t elem_strides[2] = {1, 1};
-  const CUresult res = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims, strides, box, elem_strides,
-                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult res = encode_swizzled(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, base, dims, strides, box);
   TORCH_CHECK(res == CUDA_SUCCESS, "flashcore: cuTensorMapEncodeTiled failed (CUresult ", (int)res,
               ") for an fp32 accumulator of shape (", rows, ", ", cols, ")");
   return map;
@@ -87,10 +91,7 @@ CUtensorMap make_tensor_map_f32_rows_interleaved(void* base, int64_t rows, int64
   const cuuint64_t dims[4] = {(cuuint64_t)cols, 2, 4, (cuuint64_t)rows / 8};
   const cuuint64_t strides[3] = {4 * row, row, 8 * row};  // h, l, k
   const cuuint32_t box[4] = {(cuuint32_t)box_cols, 2, 4, (cuuint32_t)box_rows / 8};
-  const cuuint32_t elem_strides[4] = {1, 1, 1, 1};
-  const CUresult res = encode_tiled()(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box, elem_strides,
-                                      CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                                      CU_TENSOR_MAP_L2_PROMOTION_L2_256B, CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+  const CUresult res = encode_swizzled(&map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, base, dims, strides, box);
   TORCH_CHECK(res == CUDA_SUCCESS, "flashcore: cuTensorMapEncodeTiled failed (CUresult ", (int)res,
               ") for an interleaved fp32 accumulator of shape (", rows, ", ", cols, ")");
   return map;
