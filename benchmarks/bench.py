@@ -206,9 +206,23 @@ def parse_bool(s: str) -> bool:
 
 
 def parse_shape(text: str) -> Shape:
-    """B,Hq,Hkv,Sq,Sk,D,dtype,causal  (or the short form B,H,S,D,dtype,causal)."""
+    """B,Hq,Hkv,Sq,Sk,D,dtype,causal  (or the short form B,H,S,D,dtype,causal), then optional variant fields
+    softcap=C and window=LEFT:RIGHT."""
     f = [x.strip() for x in text.split(",")]
+    extra = {}
+    while f and "=" in f[-1]:
+        key, _, value = f.pop().partition("=")
+        extra[key.strip()] = value.strip()
     try:
+        variant = {}
+        for key, value in extra.items():
+            if key == "softcap":
+                variant["softcap"] = float(value)
+            elif key == "window":
+                left, right = value.split(":")
+                variant["window"] = (int(left), int(right))
+            else:
+                raise ValueError(f"unknown field {key!r} (softcap=C, window=LEFT:RIGHT)")
         if len(f) == 8:
             B, Hq, Hkv, Sq, Sk, D = (int(x) for x in f[:6])
         elif len(f) == 6:
@@ -222,7 +236,7 @@ def parse_shape(text: str) -> Shape:
         raise argparse.ArgumentTypeError(
             f"--shape {text!r}: {e}; use B,Hq,Hkv,Sq,Sk,D,dtype,causal e.g. 4,32,8,8192,8192,128,fp16,1"
         ) from e
-    return Shape(B, Hq, Hkv, Sq, Sk, D, dtype, causal, fwd_only=(Sq == 1))
+    return Shape(B, Hq, Hkv, Sq, Sk, D, dtype, causal, fwd_only=(Sq == 1), **variant)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -947,7 +961,8 @@ def parse_args(argv=None):
     p.add_argument("--shapes", default=None,
                    help=f"comma-separated shape lists: {', '.join(SHAPE_LISTS)} (default: anchors on GPU, cpu on CPU)")
     p.add_argument("--shape", action="append", type=parse_shape, default=[],
-                   help="custom shape B,Hq,Hkv,Sq,Sk,D,dtype,causal (repeatable), e.g. 8,32,8,1,8192,128,fp16,0")
+                   help="custom shape B,Hq,Hkv,Sq,Sk,D,dtype,causal[,softcap=C][,window=L:R] (repeatable), "
+                        "e.g. 8,32,8,1,8192,128,fp16,0 or 4,16,8192,128,bf16,0,softcap=30")
     p.add_argument("--modes", default="fwd,fwdbwd", help="fwd, fwdbwd or both (default fwd,fwdbwd)")
     p.add_argument("--backends", default=None,
                    help="comma-separated: flashcore, sdpa (default dispatch), sdpa-flash, sdpa-cudnn, "

@@ -21,8 +21,19 @@ __all__ = ["attention", "varlen_attention", "fwd_kernel_name", "bwd_kernel_name"
 # ----------------------------------------------------------------------------------------------------------------
 
 
+def _check_devices(op: str, query, args, kwargs):
+    """Every tensor argument on query's device. The C++ checks say so too, but a tensor on the meta device among
+    real ones sends the whole call here, to the fake kernel, which would return uninitialised outputs."""
+    names = [a.name for a in getattr(torch.ops.flashcore, op).default._schema.arguments]
+    for name, value in [*zip(names, (query, *args)), *kwargs.items()]:
+        if isinstance(value, torch.Tensor) and value.device != query.device:
+            raise RuntimeError(f"flashcore: {name} is on {value.device} but query is on {query.device}; "
+                               "all tensors of a call must be on one device")
+
+
 @torch.library.register_fake("flashcore::fwd")
 def _fwd_fake(query, key, value, *args, **kwargs):  # the schema's other arguments do not change the shapes
+    _check_devices("fwd", query, (key, value, *args), kwargs)
     torch._check(query.dim() == 4, lambda: f"flashcore: query must be 4-D; got {query.dim()}-D")
     torch._check(key.dim() == 4 and value.dim() == 4, lambda: "flashcore: key and value must be 4-D")
     out = torch.empty_like(query)
@@ -33,11 +44,13 @@ def _fwd_fake(query, key, value, *args, **kwargs):  # the schema's other argumen
 
 @torch.library.register_fake("flashcore::bwd")
 def _bwd_fake(grad_out, query, key, value, *args, **kwargs):
+    _check_devices("bwd", grad_out, (query, key, value, *args), kwargs)
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 @torch.library.register_fake("flashcore::varlen_fwd")
 def _varlen_fwd_fake(query, key, value, *args, **kwargs):
+    _check_devices("varlen_fwd", query, (key, value, *args), kwargs)
     torch._check(query.dim() == 3, lambda: f"flashcore: query must be 3-D (total_q, heads, head_dim); got {query.dim()}-D")
     torch._check(key.dim() == 3 and value.dim() == 3, lambda: "flashcore: key and value must be 3-D")
     out = torch.empty_like(query)
@@ -48,11 +61,13 @@ def _varlen_fwd_fake(query, key, value, *args, **kwargs):
 
 @torch.library.register_fake("flashcore::varlen_bwd")
 def _varlen_bwd_fake(grad_out, query, key, value, *args, **kwargs):
+    _check_devices("varlen_bwd", grad_out, (query, key, value, *args), kwargs)
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
 @torch.library.register_fake("flashcore::kvcache_fwd")
 def _kvcache_fwd_fake(query, *args, **kwargs):
+    _check_devices("kvcache_fwd", query, args, kwargs)
     torch._check(query.dim() == 4, lambda: f"flashcore: query must be 4-D (batch, seqlen_q, heads_q, head_dim); got {query.dim()}-D")
     out = torch.empty_like(query)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32

@@ -182,3 +182,12 @@ def test_cuda_unsupported_dtype_and_head_dim():
     q, k, v = _qkv(D=264, dtype=torch.float16, device="cuda")
     with pytest.raises(RuntimeError, match="head_dim 264"):
         flashcore.attention(q, k, v)
+
+
+@pytest.mark.parametrize("name", ["sinks", "alibi_slopes"])
+def test_meta_device_vector_with_real_query(name):
+    """A meta-device sinks/alibi_slopes beside a CPU query would route the call to the fake kernel (uninitialised
+    outputs); it raises, naming the argument."""
+    q = torch.randn(1, 2, 4, 8)
+    with pytest.raises(RuntimeError, match=f"flashcore: {name} is on meta but query is on cpu"):
+        flashcore.attention(q, q, q, **{name: torch.zeros(2, device="meta")})

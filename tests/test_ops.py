@@ -144,3 +144,21 @@ def test_build_has_cuda_kernels_when_required():
     if os.environ.get("FLASHCORE_CUDA", "auto").lower() not in ("1", "true", "yes", "on"):
         pytest.skip("FLASHCORE_CUDA=1 not set: a CPU-only build is allowed")
     assert flashcore._has_cuda_kernels(), "built with FLASHCORE_CUDA=1 but the extension has no CUDA kernels"
+
+
+def test_double_backward_raises(request):
+    """The backward is not differentiable (as in flash-attn): a gradient of gradients raises, naming flashcore,
+    instead of giving zeros; the dense and the varlen op alike. An ordinary backward afterwards still works."""
+    g = make_generator(request)
+    q, k, v = (randn((1, 2, 9, 16), torch.float32, g).requires_grad_() for _ in range(3))
+    (dq,) = torch.autograd.grad(flashcore.attention(q, k, v, is_causal=True).sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="flashcore: the attention backward is not differentiable"):
+        dq.sum().backward()
+    qv, kv, vv = (torch.randn(10, 2, 16, generator=g).requires_grad_() for _ in range(3))
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    out = flashcore.varlen_attention(qv, kv, vv, cu, cu, 6, 6, is_causal=True)
+    (dk,) = torch.autograd.grad(out.sum(), kv, create_graph=True)
+    with pytest.raises(RuntimeError, match="flashcore: the attention backward is not differentiable"):
+        dk.sum().backward()
+    flashcore.attention(q, k, v).sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad).all()

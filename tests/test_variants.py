@@ -273,6 +273,30 @@ def test_long_keys_score_mod_cuda(request, family, variant, dtype):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("softcap", [41.5, 50.0])
+@pytest.mark.parametrize("Sk", [1, 5, 130])
+@pytest.mark.parametrize("sinks", [False, True])
+def test_softcap_logits_near_their_floor_cuda(request, family, softcap, Sk, sinks):
+    """bf16 rows whose every logit sits near -softcap (scores far below zero, so tanh saturates), beside one head
+    whose first key has a logit of 0: the softmax of tiny unnormalised probabilities and the lse near -softcap.
+    (A softmax against the fixed bound softcap instead of a running max failed this: its probabilities near
+    2^-120 times small values of V fell below float32's normal range in the tensor cores and were flushed.)"""
+    g = make_generator(request, "cuda")
+    B, H, Sq, D = 2, 3, 70, 64
+    q = torch.randn(B, H, Sq, D, generator=g, device="cuda").abs().mul_(6).bfloat16()
+    k = torch.randn(B, H, Sk, D, generator=g, device="cuda").abs().mul_(-6).bfloat16()
+    k[0, 0, 0] = 0.0
+    v = torch.randn(B, H, Sk, D, generator=g, device="cuda").bfloat16()
+    kw = {"softcap": softcap}
+    if sinks:
+        kw["sinks"] = torch.randn(H, generator=g, device="cuda") * 2
+    ref = {"softcap": softcap, **({"sinks": kw["sinks"]} if sinks else {})}
+    run_forward(q, k, v, kw, ref)
+    assert assert_ran("fwd", family).endswith(" mod")
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_variants_in_cuda_graph_and_compile(request):
     """Window, softcap, sinks and ALiBi under torch.compile(fullgraph=True) and captured in a CUDA graph."""
     from conftest import capture_graph

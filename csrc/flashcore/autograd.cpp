@@ -5,10 +5,13 @@
 // time is the whole difference to SDPA (docs/PERFORMANCE.md, "Host path"). torch.compile traces through this
 // node like any C++ autograd kernel: forward and backward reach the fake kernels registered in flashcore/ops.py.
 //
-// The backward calls flashcore::bwd, which has no autograd of its own (double backward is not supported).
+// The backward calls flashcore::bwd. Its gradients are not differentiable (no double backward, as in flash-attn):
+// bwd's own Autograd kernel below gives them a node that raises when differentiated.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/functions/basic_ops.h>
+#include <torch/csrc/autograd/functions/utils.h>
 #include <torch/library.h>
 
 #include <tuple>
@@ -239,11 +242,60 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_autograd(
   return {outs[0], outs[1]};
 }
 
+// The backward ops' Autograd kernels. Where autograd records (a backward with create_graph=True, or a direct call
+// on inputs that require grad), their gradients get an Error node: differentiating them again raises. Without
+// this, PyTorch's fallback for an op with no autograd kernel only warned and gave a second derivative of zeros.
+// Without recording (every ordinary backward) this is one more dispatcher hop.
+using Grads = std::tuple<at::Tensor, at::Tensor, at::Tensor>;
+
+template <typename... Inputs>
+Grads not_differentiable_again(Grads grads, const Inputs&... inputs) {
+  if (torch::autograd::compute_requires_grad(inputs...)) {
+    std::shared_ptr<torch::autograd::Error> node(
+        new torch::autograd::Error("flashcore: the attention backward is not differentiable (double backward, "
+                                   "e.g. a gradient of gradients taken with create_graph=True, is not supported)",
+                                   torch::autograd::collect_next_edges(inputs...)),
+        torch::autograd::deleteNode);
+    torch::autograd::set_history(std::get<0>(grads), node);
+    torch::autograd::set_history(std::get<1>(grads), node);
+    torch::autograd::set_history(std::get<2>(grads), node);
+  }
+  return grads;
+}
+
+Grads bwd_autograd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                   const at::Tensor& out, const at::Tensor& lse, double scale, bool causal, bool bottom_right,
+                   int64_t window_left, int64_t window_right, double softcap, bool deterministic,
+                   const std::optional<at::Tensor>& alibi) {
+  Grads grads = [&] {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const CallOptions o{scale, causal, bottom_right, window_left, window_right, softcap, deterministic};
+    return call_bwd(dout, q, k, v, out, lse, o, deterministic, alibi);
+  }();
+  return not_differentiable_again(std::move(grads), dout, q, k, v, out, lse);
+}
+
+Grads varlen_bwd_autograd(const at::Tensor& dout, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                          const at::Tensor& out, const at::Tensor& lse, const at::Tensor& cu_q,
+                          const at::Tensor& cu_k, int64_t max_seqlen_q, int64_t max_seqlen_k, double scale,
+                          bool causal, int64_t window_left, int64_t window_right, double softcap, bool deterministic,
+                          const std::optional<at::Tensor>& alibi, const std::optional<at::Tensor>& seqused_k) {
+  Grads grads = [&] {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    const CallOptions o{scale, causal, true, window_left, window_right, softcap, deterministic};
+    return call_varlen_bwd(dout, q, k, v, out, lse, cu_q, cu_k, VarlenShape{max_seqlen_q, max_seqlen_k}, o,
+                           deterministic, alibi, seqused_k);
+  }();
+  return not_differentiable_again(std::move(grads), dout, q, k, v, out, lse);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(flashcore, Autograd, m) {
   m.impl("fwd", &fwd_autograd);
   m.impl("varlen_fwd", &varlen_fwd_autograd);
+  m.impl("bwd", &bwd_autograd);
+  m.impl("varlen_bwd", &varlen_bwd_autograd);
 }
 
 }  // namespace flashcore
