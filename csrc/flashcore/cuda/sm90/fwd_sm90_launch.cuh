@@ -150,17 +150,24 @@ inline int pick_consumer_warpgroups(const FwdParams& p, int wide, int num_sms) {
 }
 
 // Keys per tile: the configured causal width, or kBlockNNonCausal where no mask is applied and there are at
-// least kWideMinKeys keys.
+// least kWideMinKeys keys; with kWideUnderMasks, kBlockNNonCausal always (the causal width is then never built
+// for the plain kernels).
 template <int kHeadDim, typename Element, int kWarpgroups>
 void launch_fwd_width(const FwdParams& p, int num_sms, cudaStream_t stream) {
   using Config = FwdSm90Config<kHeadDim>;
-  if constexpr (Config::kBlockNNonCausal != Config::kBlockN) {
-    if (!p.mask.banded() && p.seqlen_k >= Config::kWideMinKeys) {
-      launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWarpgroups, Config::kBlockNNonCausal>>(p, num_sms, stream);
-      return;
+  using Wide = FwdSm90Traits<kHeadDim, Element, kWarpgroups, Config::kBlockNNonCausal>;
+  if constexpr (Config::kWideUnderMasks) {
+    static_assert(Config::kWideMinKeys == 0, "kWideUnderMasks takes the wide tile for every call");
+    launch_fwd_tiles<Wide>(p, num_sms, stream);
+  } else {
+    if constexpr (Config::kBlockNNonCausal != Config::kBlockN) {
+      if (!p.mask.banded() && p.seqlen_k >= Config::kWideMinKeys) {
+        launch_fwd_tiles<Wide>(p, num_sms, stream);
+        return;
+      }
     }
+    launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWarpgroups>>(p, num_sms, stream);
   }
-  launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, kWarpgroups>>(p, num_sms, stream);
 }
 
 // A variable-length batch (seqlen.h): the configured width's plain or score-mod variant built for varlen, one block
