@@ -21,13 +21,13 @@ __all__ = ["attention", "varlen_attention", "fwd_kernel_name", "bwd_kernel_name"
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _check_devices(op: str, query, args, kwargs):
-    """Every tensor argument on query's device. The C++ checks say so too, but a tensor on the meta device among
-    real ones sends the whole call here, to the fake kernel, which would return uninitialised outputs."""
+def _check_devices(op: str, first, args, kwargs):
+    """Every tensor argument on the first one's device. The C++ checks say so too, but a tensor on the meta device
+    among real ones sends the whole call here, to the fake kernel, which would return uninitialised outputs."""
     names = [a.name for a in getattr(torch.ops.flashcore, op).default._schema.arguments]
-    for name, value in [*zip(names, (query, *args)), *kwargs.items()]:
-        if isinstance(value, torch.Tensor) and value.device != query.device:
-            raise RuntimeError(f"flashcore: {name} is on {value.device} but query is on {query.device}; "
+    for name, value in [*zip(names, (first, *args)), *kwargs.items()]:
+        if isinstance(value, torch.Tensor) and value.device != first.device:
+            raise RuntimeError(f"flashcore: {name} is on {value.device} but {names[0]} is on {first.device}; "
                                "all tensors of a call must be on one device")
 
 
