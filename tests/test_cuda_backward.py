@@ -228,6 +228,31 @@ def test_backward_wide_steps(request, monkeypatch, dtype, head_dim, shape, causa
     check_grads(runs["0"], q, k, v, dout, causal, dtype=dtype)
 
 
+@pytest.mark.parametrize("head_dim,wide", [(64, "1"), (96, "1"), (128, "1"), (128, "0"), (256, "1")])
+def test_dq_post_pass_aten_fallback(request, monkeypatch, head_dim, wide):
+    """The fused backward's dQ post-pass (the fp32 accumulator, fragment-ordered tiles for the Hopper 80-row kernel,
+    to grad_query) by its kernel and by ATen (FLASHCORE_DQ_CONVERT=aten, the fallback for grids it cannot cover):
+    bitwise equal, and within the rule against float64."""
+    monkeypatch.delenv("FLASHCORE_FORCE_BWD", raising=False)
+    monkeypatch.setenv("FLASHCORE_BWD_WIDE_STEPS", wide)
+    B, Hq, Hkv, Sq, Sk = 2, 4, 2, 171, 203
+    g = make_generator(request, DEV)
+    q = randn((B, Hq, Sq, head_dim), torch.bfloat16, g, DEV, layout="bshd").detach().requires_grad_()
+    k = randn((B, Hkv, Sk, head_dim), torch.bfloat16, g, DEV).detach().requires_grad_()
+    v = randn((B, Hkv, Sk, head_dim), torch.bfloat16, g, DEV).detach().requires_grad_()
+    dout = randn((B, Hq, Sq, head_dim), torch.bfloat16, g, DEV)
+    runs = {}
+    for convert in ("kernel", "aten"):
+        monkeypatch.setenv("FLASHCORE_DQ_CONVERT", convert)
+        out = flashcore.attention(q, k, v, is_causal=True, enable_gqa=True)
+        runs[convert] = torch.autograd.grad(out, (q, k, v), dout)
+    ran = assert_ran("bwd", "sm90" if "sm90" in gpu_families() else "sm80")
+    if "sm90" in gpu_families():
+        assert ran.endswith(" m80") == (wide == "1" and head_dim in (96, 128)), ran
+    assert torch.equal(runs["kernel"][0], runs["aten"][0]), ran
+    check_grads(runs["aten"], q, k, v, dout, True, dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("case", ["gqa", "padded_dim", "hd64_causal_unseen_keys", "softcap", "hd96_strided"])
 def test_backward_tma_epilogue(request, monkeypatch, case):
     """The Hopper backward writes dK and dV through shared memory and TMA stores (rows past seqlen_k and columns

@@ -70,6 +70,11 @@ bool bwd_tma_epilogue_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+bool dq_convert_kernel_enabled() {
+  const char* v = env("FLASHCORE_DQ_CONVERT");
+  return v == nullptr || std::strcmp(v, "aten") != 0;
+}
+
 int decode_tma_forced() {
   const char* v = env("FLASHCORE_DECODE_TMA");
   if (v == nullptr) return -1;

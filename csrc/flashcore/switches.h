@@ -17,6 +17,8 @@
 //                                               not its 80-row kernel (A/B)
 //   FLASHCORE_BWD_TMA_EPILOGUE=0                the sm90 backward stores dK/dV from registers, not through shared
 //                                               memory and TMA (A/B)
+//   FLASHCORE_DQ_CONVERT=aten                   the backward's dQ post-pass from ATen operations, not its kernel
+//                                               (the fallback the tests cover)
 //   FLASHCORE_DECODE_LONGEST_FIRST=0            the KV-cache kernel's blocks take their batch entries in index
 //                                               order, not longest first (A/B)
 //   FLASHCORE_DECODE_TMA=0|1                    the KV-cache kernel's loader on Hopper: 0 cp.async everywhere, 1 TMA
@@ -39,6 +41,7 @@ bool varlen_schedule_enabled();
 bool decode_longest_first_enabled();
 bool bwd_wide_steps_enabled();
 bool bwd_tma_epilogue_enabled();
+bool dq_convert_kernel_enabled();
 int decode_tma_forced();      // -1 when not forced, else 0 or 1; throws on a malformed value
 
 }  // namespace flashcore

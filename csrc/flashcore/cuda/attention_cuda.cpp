@@ -170,12 +170,24 @@ const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const 
   return entry;
 }
 
+// dq_accum (B, H, rows, 128) in tiles of fragment_rows rows in fragment order (common/dq_fragment_order.cuh) as a
+// (B, H, rows, 128) tensor of rows: the tile's float offset wg 64F + warp 16F + ni 128 + (4 g + t) 4 + 2 h + e
+// holds query 8 ni + 2 t + e, column 64 wg + 16 warp + 8 h + g (F = fragment_rows).
+at::Tensor dq_accum_as_rows(const at::Tensor& dq_accum, int fragment_rows) {
+  const int64_t B = dq_accum.size(0), H = dq_accum.size(1), rows = dq_accum.size(2);
+  TORCH_INTERNAL_ASSERT(dq_accum.size(3) == cuda::kDqFragmentCols && rows % fragment_rows == 0);
+  return dq_accum.view({B, H, rows / fragment_rows, 2, 4, fragment_rows / 8, 8, 4, 2, 2})
+      .permute({0, 1, 2, 5, 7, 9, 3, 4, 8, 6})
+      .reshape({B, H, rows, cuda::kDqFragmentCols});
+}
+
 // grad_query = scale * the fp32 dQ accumulator, rounded once. dq_accum: (B, H, rows_per_head, cols) fp32,
-// contiguous; grad_query4: grad_query viewed as (B, H, S, D) (a view, so both paths write grad_query's storage).
-// The post-pass kernel (bwd_dq_convert.cuh) takes every grad_query empty_like makes here (the ops require a
-// unit-stride head dim, a multiple of 8 on the fused paths); ATen's mul_out covers what its grid does not (more
-// than 65 535 x 64 query rows).
-void write_grad_query(const at::Tensor& dq_accum, const at::Tensor& grad_query4, double scale) {
+// contiguous, rows of columns or (fragment_rows > 0) tiles in fragment order; grad_query4: grad_query viewed as
+// (B, H, S, D) (a view, so both paths write grad_query's storage). The post-pass kernel (bwd_dq_convert.cuh) takes
+// every grad_query empty_like makes here (the ops require a unit-stride head dim, a multiple of 8 on the fused
+// paths); ATen covers what its grid does not (more than 65 535 x 64 query rows).
+void write_grad_query(const at::Tensor& dq_accum, const at::Tensor& grad_query4, double scale,
+                      int fragment_rows = 0) {
   cuda::DqConvertArgs a{};
   a.accum = dq_accum.data_ptr<float>();
   a.batch = grad_query4.size(0);
@@ -190,11 +202,13 @@ void write_grad_query(const at::Tensor& dq_accum, const at::Tensor& grad_query4,
   a.head_dim = (int)grad_query4.size(3);
   a.scale = (float)scale;
   a.bf16 = grad_query4.scalar_type() == at::kBFloat16;
-  if (grad_query4.stride(3) == 1 && cuda::dq_convert_supported(a)) {
+  a.fragment_rows = fragment_rows;
+  if (grad_query4.stride(3) == 1 && cuda::dq_convert_supported(a) && dq_convert_kernel_enabled()) {
     cuda::launch_bwd_dq_convert(a, at::cuda::getCurrentCUDAStream());
   } else {
+    const at::Tensor rows = fragment_rows > 0 ? dq_accum_as_rows(dq_accum, fragment_rows) : dq_accum;
     at::Tensor out = grad_query4;
-    at::mul_out(out, dq_accum.narrow(2, 0, a.seqlen).narrow(3, 0, a.head_dim), c10::scalar_to_tensor(scale));
+    at::mul_out(out, rows.narrow(2, 0, a.seqlen).narrow(3, 0, a.head_dim), c10::scalar_to_tensor(scale));
   }
 }
 
@@ -235,8 +249,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   // The entry's wide-step kernel where it has one (its own row padding).
   const bool wide = kernel->launch_wide != nullptr && bwd_wide_steps_enabled();
   const int block_m = wide ? kernel->wide_block_m : kernel->block_m;
+  const cuda::DqAccumLayout& layout = wide ? kernel->wide_dq_accum : kernel->dq_accum;
   const int64_t rows = (q.size(2) + block_m - 1) / block_m * block_m;
-  const int64_t dq_cols = kernel->dq_accum.cols_exact ? q.size(3) : kernel->head_dim_tile;
+  const int64_t dq_cols = layout.fragment_rows > 0 ? cuda::kDqFragmentCols
+                          : layout.cols_exact     ? q.size(3)
+                                                  : kernel->head_dim_tile;
   at::Tensor dq_accum = at::empty({q.size(0), q.size(1), rows, dq_cols}, f32);
   poison_if_enabled({dsum, dq_accum});  // the pre-pass must write both whole
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -251,7 +268,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   dsum = at::Tensor();
   grad_query = at::empty_like(query_in);
   poison_if_enabled({grad_query});
-  write_grad_query(dq_accum, grad_query, kernel->dq_accum.unscaled ? p.scale : 1.0);
+  write_grad_query(dq_accum, grad_query, layout.unscaled ? p.scale : 1.0, layout.fragment_rows);
   return {grad_query, grad_key, grad_value};
 }
 

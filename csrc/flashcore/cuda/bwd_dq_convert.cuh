@@ -8,10 +8,14 @@
 
 #include <cstdint>
 
+#include "common/dq_fragment_order.cuh"
+
 namespace flashcore::cuda {
 
-// The accumulator's row (b, h, s) of `cols` floats sits at ((b * heads + h) * rows_per_head + s) * cols; grad_query's
-// element (b, h, s, d) at out + b * out_batch + h * out_head + s * out_seq + d (elements; d contiguous).
+// The accumulator's row (b, h, s) of `cols` floats sits at ((b * heads + h) * rows_per_head + s) * cols, or with
+// fragment_rows > 0 (cols = kDqFragmentCols) in the tile of rows [s - s % fragment_rows, +fragment_rows) at that
+// tile's first row, in fragment order (common/dq_fragment_order.cuh); grad_query's element (b, h, s, d) at
+// out + b * out_batch + h * out_head + s * out_seq + d (elements; d contiguous).
 struct DqConvertArgs {
   const float* accum;
   int64_t batch, heads, seqlen, rows_per_head, cols;
@@ -20,6 +24,7 @@ struct DqConvertArgs {
   int head_dim;
   float scale;
   bool bf16;
+  int fragment_rows = 0;
 };
 
 // Whether the vectorized kernel applies: head_dim a multiple of 8, accumulator rows and grad_query's rows and

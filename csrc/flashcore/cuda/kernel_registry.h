@@ -34,6 +34,9 @@ struct FwdKernelEntry {
 struct DqAccumLayout {
   bool cols_exact;  // head_dim columns (the kernel's TMA reductions drop columns past it), else head_dim_tile
   bool unscaled;    // dS K without the softmax scale: the post-pass that writes grad_query multiplies by it
+  // > 0: tiles of fragment_rows query rows x 128 columns, each in the Hopper 80-row kernel's fragment order
+  // (common/dq_fragment_order.cuh), which the post-pass un-permutes; 0: rows of columns.
+  int fragment_rows = 0;
 };
 
 struct BwdKernelEntry {
@@ -54,6 +57,7 @@ struct BwdKernelEntry {
   BwdLaunchFn launch_wide = nullptr;
   BwdLaunchFn launch_varlen_wide = nullptr;
   int wide_block_m = 0;
+  DqAccumLayout wide_dq_accum = {false, false};  // what launch_wide leaves in dq_accum (launch_varlen_wide: dq_accum)
 };
 
 // Return true so that they can initialize a namespace-scope constant in an instantiation file.

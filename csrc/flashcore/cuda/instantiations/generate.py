@@ -54,11 +54,12 @@ for (kind, family), hdims in KERNELS.items():
                 with_varlen = mod or family == "sm90"
                 # sm90 backward: also the tile a packed varlen grid is cut into (kernel_registry.h: varlen_tile).
                 tile = f", flashcore::sm90::bwd_varlen_tile<{varlen_args}>()" if family == "sm90" else ""
-                # sm90 backward: and the wide-step launchers (nullptr where there are none).
+                # sm90 backward: and the wide-step launchers (nullptr where there are none) and their dq_accum layout.
                 if family == "sm90":
                     tile += (f", flashcore::sm90::bwd_wide_launcher<{varlen_args}, false>(),"
                              f" flashcore::sm90::bwd_wide_launcher<{varlen_args}, true>(),"
-                             f" flashcore::sm90::bwd_wide_block_m<{varlen_args}>()")
+                             f" flashcore::sm90::bwd_wide_block_m<{varlen_args}>(),"
+                             f" flashcore::sm90::bwd_wide_dq_accum<{varlen_args}>()")
                 fwd_varlen = f", &flashcore::{family}::launch_fwd_varlen<{varlen_args}>" if with_varlen else ""
                 bwd_varlen = f", &flashcore::{family}::launch_bwd_varlen<{varlen_args}>{tile}" if with_varlen else ""
                 with open(path, "w") as f:

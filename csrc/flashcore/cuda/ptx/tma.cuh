@@ -54,6 +54,14 @@ __device__ __forceinline__ void tma_reduce_add_4d_at0(const CUtensorMap* map, co
       "r"(smem_addr(smem_src)), "r"(c0), "r"(c3)
       : "memory");
 }
+// Adds `bytes` (a multiple of 16; both addresses 16-byte aligned) of contiguous fp32 values from shared memory to
+// global memory (element-wise, in L2), as one bulk-group operation of this thread, no tensor map. PTX ISA
+// "cp.reduce.async.bulk" (9.7.9.25.4.2), .global.shared::cta.bulk_group.add.f32.
+__device__ __forceinline__ void bulk_reduce_add_f32(float* global_dst, const float* smem_src, uint32_t bytes) {
+  asm volatile("cp.reduce.async.bulk.global.shared::cta.bulk_group.add.f32 [%0], [%1], %2;\n" ::"l"(global_dst),
+               "r"(smem_addr(smem_src)), "r"(bytes)
+               : "memory");
+}
 __device__ __forceinline__ void bulk_commit_group() { asm volatile("cp.async.bulk.commit_group;\n" ::: "memory"); }
 // Waits until at most N of this thread's bulk groups still read their shared-memory source.
 template <int N>

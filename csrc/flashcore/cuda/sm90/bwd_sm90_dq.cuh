@@ -4,11 +4,13 @@
 //   64- and 128-row steps: dS^T stored key-major (stmatrix), dQ = dS K as m64n64 GEMMs (dS^T and K read MN-major);
 //   80-row steps (BwdSm90Traits::kDqTransposed): dS stored query-major (stmatrix.trans), dQ^T = K^T dS^T as one
 //   m64n80 GEMM (K read M-major as A, dS K-major as B), 64 head-dim columns a warpgroup.
-// dQ is staged without the softmax scale (the post-pass applies it: bwd_sm90_launch.cuh kBwdDqAccum).
+// dQ is staged without the softmax scale (the post-pass applies it: bwd_sm90_launch.cuh kBwdDqAccum); dense 80-row
+// steps stage it in the accumulator's fragment order (BwdSm90Traits::kDqFragmentOrder).
 #pragma once
 
 #include <cstdint>
 
+#include "../common/dq_fragment_order.cuh"
 #include "../ptx/stmatrix.cuh"
 #include "../ptx/wgmma_sm90.cuh"
 #include "bwd_sm90_traits.cuh"
@@ -124,12 +126,20 @@ struct BwdDqStep {
     ptx::wgmma_commit();
   }
 
-  // dQ (rows: queries m0 + dq_row0(wg) + 64 mt + warp_row + g (+ 8)) to the staging tile. Transposed,
-  // dq[0][4 ni + 2 h + e] is dQ of query 8 ni + 2t + e, column warp_row + g + 8 h (of the chunk): scalar stores,
+  // dQ (rows: queries m0 + dq_row0(wg) + 64 mt + warp_row + g (+ 8)) to the staging tile. Transposed (varlen; the
+  // dense kernel stages fragment order), dq[0][4 ni + 2 h + e] is dQ of query 8 ni + 2t + e, column
+  // warp_row + g + 8 h (of the chunk): scalar stores,
   // conflict-free (the 8 g's take two chunks, XORed with the four rows 2t + e: 8 distinct chunks); n8 tile ni is 8
   // rows (256 floats) further with the same swizzle.
   __device__ __forceinline__ void stage(const Acc& dq) const {
-    if constexpr (kTransposed) {
+    if constexpr (Traits::kDqFragmentOrder) {
+      // The accumulator's own order (common/dq_fragment_order.cuh): dq[0][4 ni .. 4 ni + 3] is one float4.
+      using Tile = cuda::DqFragmentTile<kBlockM>;
+      float4* dst = reinterpret_cast<float4*>(stage_tile + Tile::wg_offset(warp_row / 16, 0, lane));
+#pragma unroll
+      for (int ni = 0; ni < kBlockM / 8; ++ni)
+        dst[ni * 32] = make_float4(dq[0][4 * ni], dq[0][4 * ni + 1], dq[0][4 * ni + 2], dq[0][4 * ni + 3]);
+    } else if constexpr (kTransposed) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
 #pragma unroll

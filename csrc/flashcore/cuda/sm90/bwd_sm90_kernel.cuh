@@ -33,7 +33,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
                     const __grid_constant__ CUtensorMap tm_k, const __grid_constant__ CUtensorMap tm_v,
                     const __grid_constant__ CUtensorMap tm_do, const __grid_constant__ CUtensorMap tm_dq,
                     const __grid_constant__ CUtensorMap tm_dk, const __grid_constant__ CUtensorMap tm_dv,
-                    const float* __restrict__ dsum, const int num_n_blocks, const bool tma_epilogue) {
+                    const float* __restrict__ dsum, float* dq_accum, const int num_n_blocks,
+                    const bool tma_epilogue) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)
   extern __shared__ unsigned char smem_raw[];
   BwdSharedStorage<Traits> smem(smem_raw);
@@ -75,7 +76,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       produce_bwd<Traits>(blk, smem, &tm_q, &tm_k, &tm_v, &tm_do);
     } else if (threadIdx.x == Traits::kConsumerThreads + 32) {
       ptx::tma_prefetch_descriptor(&tm_dq);
-      write_dq_bwd<Traits>(p, blk, smem, &tm_dq);
+      write_dq_bwd<Traits>(p, blk, smem, &tm_dq, dq_accum);
     }
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();

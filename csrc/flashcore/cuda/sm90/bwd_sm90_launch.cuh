@@ -97,8 +97,10 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
 
   const int64_t dq_rows = (p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM * Traits::kBlockM;
   static_assert(!Traits::kDqRowsInterleaved || (Traits::kBlockM % 8 == 0 && Traits::kDqBoxRows % 8 == 0));
+  // Fragment order: the dQ writer adds to dq_accum by address; the map is a placeholder it never reads.
   const CUtensorMap tm_dq =
-      Traits::kDqRowsInterleaved
+      Traits::kDqFragmentOrder ? tm_q
+      : Traits::kDqRowsInterleaved
           ? make_tensor_map_f32_rows_interleaved(dq_accum, p.batch * p.heads_q * dq_rows, p.head_dim,
                                                  Traits::kDqBoxCols, Traits::kDqBoxRows)
           : make_tensor_map_f32_2d(dq_accum, p.batch * p.heads_q * dq_rows, p.head_dim, Traits::kDqBoxCols,
@@ -107,7 +109,7 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
   const int num_n_blocks = (int)((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
   const int64_t grid = (int64_t)num_n_blocks * p.batch * p.heads_kv;  // the dispatcher checked grid <= INT32_MAX
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(
-      p, tm_q, tm_k, tm_v, tm_do, tm_dq, dkdv.dk, dkdv.dv, dsum, num_n_blocks, dkdv.tma);
+      p, tm_q, tm_k, tm_v, tm_do, tm_dq, dkdv.dk, dkdv.dv, dsum, dq_accum, num_n_blocks, dkdv.tma);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -156,8 +158,21 @@ void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, c
   // dK and dV through TMA for the warpgroups whose 64 keys are all their sequence's (write_dk_dv_tma).
   const DkDvMaps dkdv = dk_dv_maps<Traits>(p, 1, total_k, tm_k, tm_v, kBf16);
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(
-      p, tm_q, tm_k, tm_v, tm_do, tm_dq, dkdv.dk, dkdv.dv, dsum, num_n_blocks, dkdv.tma);
+      p, tm_q, tm_k, tm_v, tm_do, tm_dq, dkdv.dk, dkdv.dv, dsum, dq_accum, num_n_blocks, dkdv.tma);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+// What the entry's dense wide-step kernel leaves in dq_accum (BwdKernelEntry::wide_dq_accum): kTileCols columns
+// in tiles of its kBlockM rows, each in the kernel's fragment order (common/dq_fragment_order.cuh).
+template <int kHeadDim, typename Element, bool kScoreMod>
+constexpr cuda::DqAccumLayout bwd_wide_dq_accum() {
+  if constexpr (has_wide_steps<kHeadDim, kScoreMod>()) {
+    using Traits = BwdSm90Traits<kHeadDim, Element, false, false, true>;
+    static_assert(Traits::kDqFragmentOrder);
+    return {/*cols_exact=*/false, /*unscaled=*/true, /*fragment_rows=*/Traits::kBlockM};
+  } else {
+    return kBwdDqAccum;
+  }
 }
 
 // The entry's wide-step launcher, dense (BwdKernelEntry::launch_wide) or varlen (launch_varlen_wide), or nullptr.

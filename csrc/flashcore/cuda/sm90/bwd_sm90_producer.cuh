@@ -60,9 +60,12 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
 // The dQ writer (one thread of the producer warpgroup's second warp): per step, dQ chunk and consumer warpgroup,
 // once the warpgroup's 4 warps have staged their dQ (dq_full), adds the staging tile (32-column boxes) to the
 // fp32 accumulator with TMA reductions, and releases the tile (dq_empty) once TMA has read it.
+// Fragment order (Traits::kDqFragmentOrder): each warpgroup's staged share is contiguous in the accumulator, one
+// bulk reduction without a tensor map (dq_accum: the accumulator's base).
 template <typename Traits>
 __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock& blk,
-                                             const BwdSharedStorage<Traits>& smem, const CUtensorMap* tm_dq) {
+                                             const BwdSharedStorage<Traits>& smem, const CUtensorMap* tm_dq,
+                                             float* dq_accum) {
   constexpr int kBlockM = Traits::kBlockM, kW = Traits::kWarpgroups;
   // The accumulator row of the step's first query, walked incrementally (this thread has 24 registers): the
   // steps run over the query blocks of one head, then the next head of the group. Dense: (batch, head, padded
@@ -85,14 +88,20 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
       for (int wg = 0; wg < kW; ++wg) {
         ptx::mbarrier_wait(&smem.dq_full[wg], (step * Traits::kDqChunks + chunk) & 1);
         const int col0 = Traits::dq_col0(wg, chunk);
+        if constexpr (Traits::kDqFragmentOrder) {
+          // The tile of rows [row, row + kBlockM) is 128 kBlockM floats at row * 128 (dq_fragment_order.cuh).
+          ptx::bulk_reduce_add_f32(dq_accum + (int64_t)row * 128 + wg * (Traits::kDqWgBytes / 4),
+                                   smem.dq_staging(wg), Traits::kDqWgBytes);
+        } else {
 #pragma unroll
-        for (int box = 0; box < Traits::kDqBoxes; ++box) {
-          const float* src = smem.dq_staging(wg) + box * Traits::kDqRows * 32;
-          const int wg_row = row + Traits::dq_row0(wg) / kUnit;
-          if constexpr (Traits::kDqRowsInterleaved)
-            ptx::tma_reduce_add_4d_at0(tm_dq, src, col0 + box * Traits::kDqBoxCols, wg_row);
-          else
-            ptx::tma_reduce_add_2d(tm_dq, src, col0 + box * Traits::kDqBoxCols, wg_row);
+          for (int box = 0; box < Traits::kDqBoxes; ++box) {
+            const float* src = smem.dq_staging(wg) + box * Traits::kDqRows * 32;
+            const int wg_row = row + Traits::dq_row0(wg) / kUnit;
+            if constexpr (Traits::kDqRowsInterleaved)
+              ptx::tma_reduce_add_4d_at0(tm_dq, src, col0 + box * Traits::kDqBoxCols, wg_row);
+            else
+              ptx::tma_reduce_add_2d(tm_dq, src, col0 + box * Traits::kDqBoxCols, wg_row);
+          }
         }
         ptx::bulk_commit_group();
       }

@@ -105,6 +105,11 @@ struct BwdSm90Traits {
   // group of 8 (dq_staging_row), which the dQ writer's 4-D tensor map undoes: a warp's stores then meet no bank
   // conflict. Varlen keeps plain rows: its tiles start at any row of the accumulator, not at multiples of 8.
   static constexpr bool kDqRowsInterleaved = !kDqTransposed && !kVarlen;
+  // Dense transposed dQ (80-row steps) is staged and accumulated in its fragment order (common/dq_fragment_order.cuh):
+  // float4 stores instead of scalar ones, and one bulk reduction a warpgroup and step, no tensor map; the post-pass
+  // un-permutes. Varlen keeps rows: its tiles start at any row of the packed accumulator.
+  static constexpr bool kDqFragmentOrder = kDqTransposed && !kVarlen;
+  static_assert(!kDqFragmentOrder || kTileCols == 128, "fragment-ordered tiles are 128 columns wide");
   static constexpr uint32_t kDqWgBytes = kDqRows * kDqCols * 4;
   // Split keys, the warpgroups never read each other's shared memory in a step: each stages its own copy of the
   // step's lse/dsum and synchronizes only its own threads, so neither waits for the other.
