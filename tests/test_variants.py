@@ -145,6 +145,21 @@ def test_variant_gradcheck_float64(request, variant):
     assert torch.autograd.gradcheck(f, tuple(inputs), eps=1e-6, atol=1e-6, rtol=1e-4)
 
 
+def test_softcap_float64_is_not_rounded_to_float32_cpu(request):
+    """A float64 call keeps a cap that float32 cannot represent (7.3): its forward and gradients match the float64
+    reference to float64 precision, not to float32's (a cap rounded to float32 moves them by ~1e-8)."""
+    q, k, v, kw, ref = make_case(request, "cpu", torch.float64, 1, 2, 1, 21, 33, 16, {"softcap": 7.3, "large": True})
+    inputs = [t.requires_grad_() for t in (q, k, v)]
+    out = flashcore.attention(*inputs, enable_gqa=True, **kw)
+    want, _ = reference_attention(*inputs, **ref)
+    assert (out - want).abs().max().item() < 1e-12
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, inputs, dout)
+    exp = torch.autograd.grad(want, inputs, dout)
+    for name, a, b in zip("qkv", got, exp):
+        assert (a - b).abs().max().item() < 1e-12, name
+
+
 @pytest.mark.parametrize("softcap", [1e3, 1e4, 1e5])
 def test_large_softcap_float32_cpu(request, softcap):
     """A large cap makes tanh's arguments small, where (1 - e) / (1 + e) cancels: the CPU kernel's float32 tanh must

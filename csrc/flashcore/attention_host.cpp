@@ -219,6 +219,7 @@ FwdParams make_fwd_params(const at::Tensor& query, const at::Tensor& key, const 
   ScoreParams& sp = p.score;
   if (opts.softcap > 0.0) {
     sp.softcap = static_cast<float>(opts.softcap);
+    sp.softcap_fp64 = opts.softcap;
     sp.softcap_inv = static_cast<float>(opts.softmax_scale / opts.softcap);
     sp.softcap_log2 = static_cast<float>(opts.softcap * 1.4426950408889634);
   }

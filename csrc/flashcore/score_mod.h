@@ -21,6 +21,7 @@ struct ScoreParams {
   float softcap = 0.f;       // 0: no cap
   float softcap_inv = 0.f;   // scale / softcap: the raw score's factor inside tanh
   float softcap_log2 = 0.f;  // softcap * log2(e): the factor outside it, in log2 units
+  double softcap_fp64 = 0.0;  // the cap unrounded, for float64 inputs (the CPU kernels; cf. scale_fp64)
   const float* alibi_slopes = nullptr;  // slope of (b, h) at b * alibi_stride_batch + h * alibi_stride_head
   int64_t alibi_stride_batch = 0, alibi_stride_head = 0;
   int64_t alibi_offset = 0;       // seqlen_k - seqlen_q

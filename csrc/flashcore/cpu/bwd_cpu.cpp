@@ -53,6 +53,7 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
       std::clamp<int64_t>((kMinTasks + heads - 1) / heads, 1, std::min(key_blocks, chunk_cap));
   const int64_t blocks_per_chunk = (key_blocks + chunks - 1) / chunks;
   const T scale = std::is_same_v<T, double> ? static_cast<T>(p.scale_fp64) : static_cast<T>(p.scale);
+  const T cap = std::is_same_v<T, double> ? static_cast<T>(p.score.softcap_fp64) : static_cast<T>(p.score.softcap);
 
   // delta_i = dO_i . O_i, and lse with "+inf" for rows that saw no key (P = exp(s - inf) = 0 there).
   at::Tensor row_stats = at::empty({2, rows_total}, at::TensorOptions().dtype(acc_dtype));
@@ -146,7 +147,7 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
 
             Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ld, s_tile, ld);
             Ops::template gemm<GemmMode::kStore>(rows, cols, D, do_tile, Dp, 1, vt_tile, ld, dp_tile, ld);
-            if (mod) Ops::score_mod(s_tile, ld, rows, cols, static_cast<T>(p.score.softcap), slope, i0, j0,
+            if (mod) Ops::score_mod(s_tile, ld, rows, cols, cap, slope, i0, j0,
                                     alibi_offset, softcap ? dtanh_tile : static_cast<T*>(nullptr));
             const BlockMask mask(band, i0, j0, keys);
             Ops::softmax_grad(s_tile, dp_tile, ld, rows, cols, mask, lse + r0 + i0, delta + r0 + i0);

@@ -33,6 +33,7 @@ void fwd_impl(const FwdParams& p) {
   const int64_t q_blocks = (p.seqlen_q + kQueryBlock - 1) / kQueryBlock;
   const int64_t tasks = p.batch * p.heads_q * q_blocks;
   const T scale = std::is_same_v<T, double> ? static_cast<T>(p.scale_fp64) : static_cast<T>(p.scale);
+  const T cap = std::is_same_v<T, double> ? static_cast<T>(p.score.softcap_fp64) : static_cast<T>(p.score.softcap);
   constexpr T kNegInf = -std::numeric_limits<T>::infinity();
   const ScoreParams& sp = p.score;
 
@@ -90,7 +91,7 @@ void fwd_impl(const FwdParams& p) {
         Ops::pack_rows(v + j0 * p.v_stride.seq, p.v_stride.seq, keys, D, T(1), v_tile, Dp, keys);
 
         Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ldk, s_tile, ldk);
-        if (mod) Ops::score_mod(s_tile, ldk, rows, cols, static_cast<T>(sp.softcap), slope, i0, j0, alibi_offset,
+        if (mod) Ops::score_mod(s_tile, ldk, rows, cols, cap, slope, i0, j0, alibi_offset,
                                 static_cast<T*>(nullptr));
         const BlockMask mask(band, i0, j0, keys);
         Ops::softmax_update(s_tile, ldk, rows, cols, mask, row_max, row_sum, alpha);
