@@ -194,7 +194,23 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     inside = (t >= starts[b]) & (t - starts[b] < lens_q[b])
     out = torch.where(inside[:, None, None], out_block[b, row], 0.0)[..., :head_dim]
     lse = torch.where(inside[None, :], lse_block[b, :, row].transpose(0, 1), float("-inf"))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
+        out = _PagedNoBackward.apply(out, q, k_cache, v_cache)
     return (out, lse, None) if return_attn_probs else out
+
+
+class _PagedNoBackward(torch.autograd.Function):
+    """Marks a paged prefill's output as depending on q, k and v, with a backward that raises: the KV-cache op has
+    no gradient (flash-attn's varlen backward rejects a block_table too), and a silent None gradient is worse."""
+
+    @staticmethod
+    def forward(ctx, out, *inputs):
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx, *grads):
+        raise NotImplementedError("flash_attn_varlen_func: block_table (paged K/V) has no backward; run paged "
+                                  "prefill under torch.no_grad() or with inputs that do not require grad")
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0,
@@ -235,6 +251,71 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     k, v = kv.unbind(1)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, deterministic, return_attn_probs, fn)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# flash-attn's autograd Function classes, for code that calls e.g. FlashAttnFunc.apply(...) directly: the same
+# positional arguments (flash-attn 2.8, is_grad_enabled last), run through the functions above (flashcore's own
+# autograd); is_grad_enabled=False records no graph, as flash-attn's forward saves nothing then.
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def _apply_as(fn, is_grad_enabled, *args):
+    if is_grad_enabled is None or is_grad_enabled:
+        return fn(*args)
+    with torch.no_grad():
+        return fn(*args)
+
+
+class FlashAttnFunc:
+    @staticmethod
+    def apply(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+              return_softmax, is_grad_enabled=None):
+        return _apply_as(flash_attn_func, is_grad_enabled, q, k, v, dropout_p, softmax_scale, causal, window_size,
+                         softcap, alibi_slopes, deterministic, return_softmax)
+
+
+class FlashAttnQKVPackedFunc:
+    @staticmethod
+    def apply(qkv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+              return_softmax, is_grad_enabled=None):
+        return _apply_as(flash_attn_qkvpacked_func, is_grad_enabled, qkv, dropout_p, softmax_scale, causal,
+                         window_size, softcap, alibi_slopes, deterministic, return_softmax)
+
+
+class FlashAttnKVPackedFunc:
+    @staticmethod
+    def apply(q, kv, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+              return_softmax, is_grad_enabled=None):
+        return _apply_as(flash_attn_kvpacked_func, is_grad_enabled, q, kv, dropout_p, softmax_scale, causal,
+                         window_size, softcap, alibi_slopes, deterministic, return_softmax)
+
+
+class FlashAttnVarlenFunc:
+    @staticmethod
+    def apply(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+              window_size, softcap, alibi_slopes, deterministic, return_softmax, block_table=None,
+              is_grad_enabled=None):
+        return _apply_as(flash_attn_varlen_func, is_grad_enabled, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                         max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                         deterministic, return_softmax, block_table)
+
+
+class FlashAttnVarlenQKVPackedFunc:
+    @staticmethod
+    def apply(qkv, cu_seqlens, max_seqlen, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+              deterministic, return_softmax, is_grad_enabled=None):
+        return _apply_as(flash_attn_varlen_qkvpacked_func, is_grad_enabled, qkv, cu_seqlens, max_seqlen, dropout_p,
+                         softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_softmax)
+
+
+class FlashAttnVarlenKVPackedFunc:
+    @staticmethod
+    def apply(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
+              window_size, softcap, alibi_slopes, deterministic, return_softmax, is_grad_enabled=None):
+        return _apply_as(flash_attn_varlen_kvpacked_func, is_grad_enabled, q, kv, cu_seqlens_q, cu_seqlens_k,
+                         max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size, softcap,
+                         alibi_slopes, deterministic, return_softmax)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -544,9 +625,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         k = _apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
 
     if Sn > 0 and B > 0:
-        slots = _append_slots(seqlens, Sn, capacity, k_cache, block_table, cache_batch_idx)
-        _append(k_cache, k, *slots)
-        _append(v_cache, v, *slots)
+        # The cache is state, not part of the autograd graph (flash-attn's kernel writes it directly): no history
+        # accumulates across decode steps, and a cache that requires grad may be written.
+        with torch.no_grad():
+            slots = _append_slots(seqlens, Sn, capacity, k_cache, block_table, cache_batch_idx)
+            _append(k_cache, k, *slots)
+            _append(v_cache, v, *slots)
         seqlens = torch.clamp(seqlens + Sn, max=capacity)  # tokens past the capacity were dropped
 
     (qp, kc, vc), head_dim = pad_head_dim([q, k_cache, v_cache])  # CUDA, head dim not a multiple of 8: copies

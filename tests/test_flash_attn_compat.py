@@ -166,3 +166,74 @@ def test_window_and_float_arguments():
     with pytest.raises(TypeError, match="scale"):
         flashcore.attention(qb, kb, vb, scale="x")
     torch.testing.assert_close(flashcore.attention(qb, kb, vb, softcap=None), want, rtol=0, atol=0)
+
+
+def test_function_classes_apply_as_flash_attn():
+    """flash-attn's autograd Function classes, called as FlashAttnFunc.apply(...) with flash-attn 2.8's positional
+    arguments: the same outputs and gradients as the functions; is_grad_enabled=False records no graph."""
+    q, k, v = (t.requires_grad_() for t in _inputs(2, 9, 11, H=2, Hk=2))
+    args = (0.0, None, True, (-1, -1), 0.0, None, False)
+    out = fai.FlashAttnFunc.apply(q, k, v, *args, False, True)
+    want = flashcore.flash_attn_func(q, k, v, *args, False)
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
+    g1 = torch.autograd.grad(out.sum(), (q, k, v))
+    g2 = torch.autograd.grad(want.sum(), (q, k, v))
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert not fai.FlashAttnFunc.apply(q, k, v, *args, False, False).requires_grad
+    out, lse, probs = fai.FlashAttnFunc.apply(q, k, v, *args, True, True)
+    assert lse.shape == (2, 2, 9) and probs is None
+
+    qkv = torch.stack(_inputs(2, 7, 7, H=2, Hk=2), dim=2).requires_grad_()
+    out = fai.FlashAttnQKVPackedFunc.apply(qkv, *args, False, True)
+    torch.testing.assert_close(out, flashcore.flash_attn_qkvpacked_func(qkv, *args), rtol=0, atol=0)
+    kv = torch.stack((k, v), dim=2)
+    out = fai.FlashAttnKVPackedFunc.apply(q, kv, *args, False, True)
+    torch.testing.assert_close(out, flashcore.flash_attn_kvpacked_func(q, kv, *args), rtol=0, atol=0)
+
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    qv, kv_, vv = (t.reshape(-1, *t.shape[2:])[:9] for t in _inputs(1, 9, 9, H=2, Hk=2))
+    out = fai.FlashAttnVarlenFunc.apply(qv, kv_, vv, cu, cu, 5, 5, *args, False, None, True)
+    torch.testing.assert_close(out, flashcore.flash_attn_varlen_func(qv, kv_, vv, cu, cu, 5, 5, *args), rtol=0,
+                               atol=0)
+    packed = torch.stack((qv, kv_, vv), dim=1)
+    out = fai.FlashAttnVarlenQKVPackedFunc.apply(packed, cu, 5, *args, False, True)
+    torch.testing.assert_close(out, flashcore.flash_attn_varlen_qkvpacked_func(packed, cu, 5, *args), rtol=0, atol=0)
+    kvp = torch.stack((kv_, vv), dim=1)
+    out = fai.FlashAttnVarlenKVPackedFunc.apply(qv, kvp, cu, cu, 5, 5, *args, False, True)
+    torch.testing.assert_close(out, flashcore.flash_attn_varlen_kvpacked_func(qv, kvp, cu, cu, 5, 5, *args), rtol=0,
+                               atol=0)
+
+
+def test_kvcache_is_outside_autograd():
+    """flash_attn_with_kvcache as flash-attn's (a plain kernel call): its output carries no autograd history even
+    when q, k or v require grad, the appended cache does not join the graph (no history that grows a decode step at
+    a time), and a cache that itself requires grad can be appended to."""
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(D, D, generator=g, dtype=torch.float64, requires_grad=True)
+    k_cache = torch.zeros(1, 16, 2, D, dtype=torch.float64)
+    v_cache = torch.zeros(1, 16, 2, D, dtype=torch.float64, requires_grad=True)
+    for t in range(3):
+        x = torch.randn(1, 1, 2, D, generator=g, dtype=torch.float64)
+        out = flashcore.flash_attn_with_kvcache(x @ w, k_cache, v_cache, x @ w, x @ w, cache_seqlens=t)
+        assert not out.requires_grad and out.grad_fn is None
+        assert k_cache.grad_fn is None and not k_cache.requires_grad and v_cache.grad_fn is None
+    assert torch.count_nonzero(k_cache[0, :3]) > 0 and torch.count_nonzero(k_cache[0, 3:]) == 0
+
+
+def test_paged_varlen_backward_raises():
+    """flash_attn_varlen_func with a block_table (paged prefill) has no backward: with inputs that require grad the
+    forward runs and a backward through it raises NotImplementedError naming block_table (flash-attn's varlen
+    backward rejects it as well), instead of a silent None gradient."""
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(5, 2, D, generator=g, dtype=torch.float64, requires_grad=True)
+    pages = torch.randn(3, 16, 1, D, generator=g, dtype=torch.float64)
+    cu_q = torch.tensor([0, 2, 5], dtype=torch.int32)
+    cu_k = torch.tensor([0, 10, 30], dtype=torch.int32)
+    table = torch.tensor([[2, 0], [1, 0]], dtype=torch.int32)
+    out = flashcore.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 3, 20, causal=True, block_table=table)
+    with torch.no_grad():
+        ref = flashcore.flash_attn_varlen_func(q, pages, pages, cu_q, cu_k, 3, 20, causal=True, block_table=table)
+    torch.testing.assert_close(out, ref, rtol=0, atol=0)
+    with pytest.raises(NotImplementedError, match="block_table"):
+        out.sum().backward()

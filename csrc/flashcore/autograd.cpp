@@ -296,6 +296,9 @@ TORCH_LIBRARY_IMPL(flashcore, Autograd, m) {
   m.impl("varlen_fwd", &varlen_fwd_autograd);
   m.impl("bwd", &bwd_autograd);
   m.impl("varlen_bwd", &varlen_bwd_autograd);
+  // Inference only: the KV-cache op's outputs carry no autograd history (as flash-attn's flash_attn_with_kvcache,
+  // a plain kernel call), instead of PyTorch's fallback that warns and hands a backward zero gradients.
+  m.impl("kvcache_fwd", torch::CppFunction::makeFallthrough());
 }
 
 }  // namespace flashcore
