@@ -474,3 +474,72 @@ def test_gpu_float32_model():
         want = ref(ids, attention_mask=mask).logits
     err = (got.float() - want).abs()[mask.bool()].max().item()
     assert err <= 0.05 * want.abs().max().item(), f"autocast logits differ by {err:.3e}"
+
+
+def test_mask_function_patterns():
+    """The mask function's verdict on the patterns transformers composes: a custom and_mask_function (it would hide
+    keys) raises, also behind functools.partial; a custom or_mask_function (it only widens) is ignored with a
+    warning; block-wise prefix-LM overlays raise only when the input has a block (an id >= 0), so text-only input
+    of such a model runs."""
+    import functools
+
+    from transformers.masking_utils import and_masks, blockwise_overlay, causal_mask_function, or_masks
+
+    def same_segment(b, h, q, kv):  # e.g. ESM C's sequence ids
+        return (q // 4) == (kv // 4)
+
+    kw = dict(batch_size=2, q_length=8, kv_length=8)
+    for custom in (same_segment, functools.partial(lambda seg, b, h, q, kv: q // seg == kv // seg, 4)):
+        with pytest.raises(NotImplementedError, match="and_mask_function"):
+            fct.padding_mask(**kw, mask_function=and_masks(causal_mask_function, custom), use_vmap=True)
+    assert fct.padding_mask(**kw, mask_function=or_masks(causal_mask_function, same_segment), use_vmap=True) is None
+    text = torch.full((2, 8), -1)
+    assert fct.padding_mask(**kw, mask_function=or_masks(causal_mask_function, blockwise_overlay(text))) is None
+    image = text.clone()
+    image[1, 2:5] = 0
+    with pytest.raises(NotImplementedError, match="prefix-LM"):
+        fct.padding_mask(**kw, mask_function=or_masks(causal_mask_function, blockwise_overlay(image)))
+
+
+@pytest.mark.parametrize("name", ["indices", "block_indices", "sinks"])
+def test_unsupported_attention_kwargs_raise(name):
+    """Attention kwargs that change which keys a query sees or its scores (sparse indices, per-token sinks) raise
+    NotImplementedError naming them, instead of being dropped."""
+    module = torch.nn.Module()
+    module.is_causal = True
+    q = torch.randn(1, 2, 5, 16)
+    with pytest.raises(NotImplementedError, match=name):
+        fct.attention_forward(module, q, q, q, None, **{name: torch.zeros(1, 2, 5, 1)})
+
+
+def test_static_cache_with_a_mask_as_long_as_the_cache():
+    """A prefill into a static cache with a caller's 2-D mask as long as the cache (zeros over the unwritten slots),
+    and one longer than the prompt but shorter than the cache: the logits of eager."""
+    from transformers import StaticCache
+
+    ref, got = pair("llama")
+    ids = prompts([10, 10])[0]
+    for capacity, mask_len in ((16, 16), (32, 16)):
+        mask = torch.cat([torch.ones(2, 10), torch.zeros(2, mask_len - 10)], 1).long()
+        with torch.no_grad():
+            want = ref(ids, attention_mask=mask, past_key_values=StaticCache(config=ref.config,
+                                                                              max_cache_len=capacity)).logits
+            out = got(ids, attention_mask=mask, past_key_values=StaticCache(config=got.config,
+                                                                            max_cache_len=capacity)).logits
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-4)
+
+
+def test_compile_fullgraph():
+    """torch.compile(model, fullgraph=True) of a model on this backend, eval (with its dynamic cache) and a training
+    forward: no graph break (the position_ids and mask-function inspections stay out of traced code), the logits
+    of eager."""
+    ref, got = pair("llama")
+    ids = prompts([12, 12])[0]
+    compiled = torch.compile(got, fullgraph=True)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(ids).logits, ref(ids).logits, rtol=1e-4, atol=1e-4)
+    ref.train()
+    got.train()
+    compiled = torch.compile(got, fullgraph=True)
+    torch.testing.assert_close(compiled(ids, use_cache=False).logits, ref(ids, use_cache=False).logits, rtol=1e-4,
+                               atol=1e-4)

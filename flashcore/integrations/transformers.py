@@ -28,7 +28,9 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
   function then gives a mask of the keys written so far and the unwritten slots are not attended to.
 * packed sequences (padding-free training, ``DataCollatorWithFlattening``): the ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` kwargs when given; otherwise ``position_ids`` that restart (a step other than +1 starts a new
-  sequence, as transformers' masks read them) split each row into sequences. Either runs the varlen op.
+  sequence, as transformers' masks read them) split each row into sequences. Either runs the varlen op. Reading
+  position_ids costs a sync, so under torch.compile only the cu_seq_lens kwargs pack (a plain forward then compiles
+  with fullgraph=True; flash_attention_2's own position_ids check breaks the graph).
 * ``sliding_window=w``: query i sees keys i - w + 1 .. i (flash-attn's window_size=(w - 1, w - 1), exactly as
   transformers' flash_attention_2 converts it; w keys in all, transformers' mask convention).
 * ``softcap`` (Gemma 2), ``s_aux`` (GPT-OSS's attention sinks, differentiable), ``scaling``, GQA/MQA (k/v with fewer
@@ -40,12 +42,14 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
   only: float32 CUDA inputs are cast to the autocast dtype under torch.autocast, or to the dtype of the layer's
   weights when those are half precision (PEFT keeps norms in float32), as flash-attn's backend does, and the output
   stays in that dtype; otherwise (a float32 model on CUDA) TypeError, asking for dtype=torch.bfloat16 or autocast.
-* not supported: 4-D (custom) attention masks (TypeError) and custom mask patterns transformers builds from
-  ``or_mask_function``/``and_mask_function`` (e.g. bidirectional image-token blocks): like flash-attn's backend,
-  this one sees only padding, causality and the sliding window, and warns once when such a pattern is dropped.
-  Patterns that would change every result raise instead: a T5-style ``position_bias`` and a value head dim larger
-  than the query's (NotImplementedError), chunked attention past one chunk (Llama 4; ValueError, as transformers
-  raises for flash-attn) and block-wise prefix-LM masks (PaliGemma's ``block_sequence_ids``).
+* not supported: 4-D (custom) attention masks (TypeError). Of the mask patterns transformers builds, this backend
+  applies padding, causality and the sliding window; a pattern that would hide keys from a query raises rather
+  than being dropped: an ``and_mask_function`` it does not know (e.g. ESM C's sequence ids), chunked attention past
+  one chunk (Llama 4; ValueError, as transformers raises for flash-attn) and block-wise prefix-LM masks whose blocks
+  are present in the input (PaliGemma, Gemma 3 image tokens; text-only input runs). An ``or_mask_function`` it does
+  not know only widens the mask, and is ignored with a warning, as flash-attn's backend does. Attention kwargs that
+  change scores or the keys a query sees raise NotImplementedError: a T5-style ``position_bias``, ``block_indices``
+  and ``indices`` (sparse attention), per-token ``sinks``, and a value head dim larger than the query's.
   ``output_attentions`` returns None as weights. Paged attention / continuous batching is not wired up.
 """
 
@@ -82,61 +86,123 @@ _HALF = (torch.float16, torch.bfloat16)
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _mask_parts(fn, depth=0):
-    """Qualified names of the functions a transformers mask function is composed of (and_masks / or_masks keep their
-    parts in closure cells), to recognise patterns this backend cannot apply."""
-    if depth > 8 or not callable(fn):
+# transformers' own mask functions and combinators (masking_utils), by qualified-name prefix: the patterns this
+# backend applies itself (causal, bidirectional, sliding window, padding, offsets) or inspects (chunked,
+# block-wise, packed sequences).
+_KNOWN_MASK_PARTS = (
+    "and_masks.", "or_masks.", "causal_mask_function", "bidirectional_mask_function", "sliding_window_overlay.",
+    "sliding_window_bidirectional_overlay.", "sliding_window_causal_mask_function", "padding_mask_function.",
+    "add_offsets_to_mask_function.", "remap_positions_for_packed_sequence.", "packed_sequence_mask_function.",
+    "chunked_overlay.", "chunked_causal_mask_function", "blockwise_overlay.",
+    "sliding_window_bidirectional_mask_function",
+)
+
+
+def _mask_parts(fn, restricting=True, depth=0):
+    """(qualified name, function, restricting) of every function a transformers mask function is composed of
+    (and_masks / or_masks and the overlays keep their parts in closure cells; functools.partial objects their func
+    and arguments). `restricting`: the part can only remove keys from the mask (it is reached through and_masks, not
+    through or_masks), so a backend that ignores it would attend to keys the model hides."""
+    if depth > 12 or not callable(fn):
         return []
-    names = [getattr(fn, "__qualname__", "")]
+    name = getattr(fn, "__qualname__", None) or type(fn).__name__
+    parts = [(name, fn, restricting)]
+    if name.startswith("or_masks."):
+        restricting = False
+    children = []
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            children.append(cell.cell_contents)
+        except ValueError:  # an empty cell
+            continue
+    if hasattr(fn, "func") and hasattr(fn, "args"):  # functools.partial
+        children += [fn.func, *fn.args]
+    for value in children:
+        for part in value if isinstance(value, (tuple, list)) else (value,):
+            if callable(part) and not isinstance(part, torch.Tensor):
+                parts += _mask_parts(part, restricting, depth + 1)
+    return parts
+
+
+def _closure_tensor(fn):
+    """The tensor an overlay closes over (blockwise_overlay's block_sequence_ids), or None."""
     for cell in getattr(fn, "__closure__", None) or ():
         try:
             value = cell.cell_contents
-        except ValueError:  # an empty cell
+        except ValueError:
             continue
-        for part in value if isinstance(value, (tuple, list)) else (value,):
-            if callable(part) and hasattr(part, "__code__"):
-                names += _mask_parts(part, depth + 1)
-    return names
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _check_mask_function(mask_function, kv_length, kv_offset, kwargs):
+    """Raises for mask patterns the kernels cannot apply, where ignoring them would change results; warns once
+    for patterns that only widen the mask (or_mask_function), which flash_attention_2 ignores too."""
+    parts = _mask_parts(mask_function)
+    names = [name for name, _, _ in parts]
+    if any(n.startswith("chunked_overlay") for n in names) and kv_length + kv_offset > kwargs.get("local_size", 0):
+        raise ValueError(
+            f"attn_implementation={NAME!r} (flashcore) cannot apply chunked attention (attention_chunk_size="
+            f"{kwargs.get('local_size')}) and the key-value length {kv_length + kv_offset} exceeds one chunk; use "
+            "attn_implementation='sdpa' or 'eager' for this model."
+        )
+    for name, fn, _ in parts:
+        if name.startswith("blockwise_overlay"):
+            ids = _closure_tensor(fn)
+            # Only tokens of a block (id >= 0: image tokens) attend beyond the causal mask; text-only input (all
+            # -1, e.g. Gemma 3's token_type_ids of a text prompt) needs nothing else. One sync, outside tracing.
+            if ids is None or torch.compiler.is_compiling() or bool((ids >= 0).any()):
+                raise NotImplementedError(
+                    f"attn_implementation={NAME!r} (flashcore) cannot apply this model's block-wise (prefix-LM) "
+                    "attention mask (bidirectional blocks of image tokens, block_sequence_ids: PaliGemma, Gemma 3); "
+                    "use attn_implementation='sdpa' or 'eager' for inputs with such blocks."
+                )
+    unknown = [(name, restricting) for name, _, restricting in parts if not name.startswith(_KNOWN_MASK_PARTS)]
+    hiding = [name for name, restricting in unknown if restricting]
+    if hiding:
+        raise NotImplementedError(
+            f"attn_implementation={NAME!r} (flashcore) applies only padding, causal and sliding-window masks; this "
+            f"model restricts attention further with a custom mask function ({hiding[0]}, an and_mask_function), "
+            "which the kernels cannot apply. Use attn_implementation='sdpa' or 'eager' for it."
+        )
+    if unknown:
+        logger.warning_once(
+            f"attn_implementation={NAME!r} (flashcore) applies only padding, causal and sliding-window masks; the "
+            f"custom mask pattern this model adds ({unknown[0][0]}, an or_mask_function) is ignored, as with "
+            "flash_attention_2. Use attn_implementation='sdpa' or 'eager' if the model needs it."
+        )
 
 
 def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask=None, **kwargs):
     """The mask function registered with AttentionMaskInterface: the 2-D (batch, kv_len) bool padding mask sliced to
     the keys of this layer, or None when no key is padded (flash-attn's rule: causality and windows are applied by
-    the kernel). With a static cache and no padding, the mask of the keys written so far, so the unwritten slots of
-    the cache are never attended to. Patterns the kernels cannot apply raise instead of being dropped: chunked
-    attention longer than a chunk (Llama 4; transformers raises the same for flash-attn) and block-wise prefix
-    masks (PaliGemma's prefix-LM, block_sequence_ids)."""
-    parts = _mask_parts(mask_function)
-    if any(n.startswith("chunked_overlay") for n in parts) and kv_length + kv_offset > kwargs.get("local_size", 0):
-        raise ValueError(
-            f"attn_implementation={NAME!r} (flashcore) cannot apply chunked attention (attention_chunk_size="
-            f"{kwargs.get('local_size')}) and the key-value length {kv_length + kv_offset} exceeds one chunk; use "
-            "attn_implementation='sdpa' or 'eager' for this model."
-        )
-    if any(n.startswith("blockwise_overlay") for n in parts):
-        raise NotImplementedError(
-            f"attn_implementation={NAME!r} (flashcore) cannot apply this model's block-wise (prefix-LM) attention mask "
-            "(block_sequence_ids, e.g. PaliGemma); use attn_implementation='sdpa' or 'eager' for it."
-        )
-    if kwargs.get("use_vmap"):  # or_/and_mask_function given: a pattern beyond padding + causal + window
-        logger.warning_once(
-            f"attn_implementation={NAME!r} (flashcore) applies only padding, causal and sliding-window masks; the "
-            "custom mask pattern this model builds (or_mask_function / and_mask_function) is ignored, as with "
-            "flash_attention_2. Use attn_implementation='sdpa' or 'eager' if the model needs it."
-        )
+    the kernel). With a static cache, the mask of the keys written so far, so the unwritten slots of the cache are
+    never attended to (a caller's mask as long as the cache is cut there too). Patterns the kernels cannot apply
+    raise instead of being dropped (_check_mask_function): chunked attention longer than a chunk (Llama 4;
+    transformers raises the same for flash-attn), block-wise prefix masks with blocks in the input (PaliGemma,
+    Gemma 3 images) and custom and_mask_function restrictions."""
+    # Under torch.compile the mask function is a closure built inside the traced code, whose parts dynamo cannot
+    # inspect: the patterns are checked in eager calls only (run a model once eagerly to validate it).
+    if mask_function is not None and not torch.compiler.is_compiling():
+        _check_mask_function(mask_function, kv_length, kv_offset, kwargs)
+    written = q_offset + q_length
+    # Causal masks only (create_bidirectional_mask, also used for cross-attention, passes allow_is_bidirectional_skip)
+    from_start = kv_offset == 0 and "allow_is_bidirectional_skip" not in kwargs and not isinstance(kv_length,
+                                                                                                  torch.Tensor)
+    if from_start:
+        written = int(written)  # a tensor for static caches
     if attention_mask is not None:
+        if from_start and attention_mask.shape[1] > written:
+            attention_mask = attention_mask[:, :written]  # slots past the written keys: never attended to
         # Slice from the right for sliding-window caches (a no-op for full attention).
         attention_mask = attention_mask[:, -kv_length:]
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             attention_mask = None
         return attention_mask
-    written = q_offset + q_length
-    # Causal masks only (create_bidirectional_mask, also used for cross-attention, passes allow_is_bidirectional_skip)
-    if kv_offset == 0 and "allow_is_bidirectional_skip" not in kwargs and not isinstance(kv_length, torch.Tensor):
-        written = int(written)  # a tensor for static caches
-        if written < kv_length:  # a static cache: kv_length is its capacity, the slots past `written` are empty
-            return torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))
+    if from_start and written < kv_length:  # a static cache: kv_length is its capacity, the slots past `written`
+        return torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))  # are empty
     return None
 
 
@@ -187,6 +253,17 @@ def _packed_from_position_ids(position_ids, batch_size, seq_len):
     return cu, int((cu[1:] - cu[:-1]).max())
 
 
+# Attention kwargs of transformers models that change which keys a query sees or how scores are formed, which this
+# backend cannot apply: refused, never silently dropped (flashcore's own sinks come as s_aux).
+_UNSUPPORTED_KWARGS = {
+    "block_indices": "block-sparse attention, e.g. MiniMax-M3's sparse layers",
+    "indices": "top-k sparse attention, e.g. DeepSeek-V3.2's indexer",
+    "sinks": "a sink logit per query token, e.g. Inkling 2 (s_aux, a sink per head, is supported)",
+    "attention_bias": "an additive score bias",
+    "alibi": "an additive ALiBi bias tensor",
+}
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -221,6 +298,12 @@ def attention_forward(
             f"attn_implementation={NAME!r}: this model adds a position_bias to its attention scores (T5-style relative "
             "position bias), which flashcore cannot apply; use attn_implementation='sdpa' or 'eager' for it."
         )
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"attn_implementation={NAME!r}: this model passes `{name}` to its attention ({_UNSUPPORTED_KWARGS[name]}), "
+                "which flashcore cannot apply; use attn_implementation='sdpa' or 'eager' for it."
+            )
     if attention_mask is not None and attention_mask.dim() != 2:
         raise TypeError(
             f"attn_implementation={NAME!r}: got a {attention_mask.dim()}-D attention mask; flashcore takes 2-D "
@@ -297,7 +380,8 @@ def attention_forward(
         cu_k = cu_seq_lens_k.to(device=query.device, dtype=torch.int32)
         out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
                                 cu_q, cu_k, int(max_length_q), int(max_length_k), **varlen).view(B, Sq, Hq, D)
-    elif Sq == Sk and (packed := _packed_from_position_ids(position_ids, B, Sq)) is not None:
+    elif Sq == Sk and not torch.compiler.is_compiling() and (
+            packed := _packed_from_position_ids(position_ids, B, Sq)) is not None:
         # Padding-free batch described by restarting position_ids only.
         cu, max_len = packed
         out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
