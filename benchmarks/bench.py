@@ -19,6 +19,7 @@ import argparse
 import contextlib
 import dataclasses
 import datetime
+import functools
 import json
 import math
 import os
@@ -282,13 +283,14 @@ def _sdpa(q, k, v, shape):
     return F.scaled_dot_product_attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa)
 
 
-def _flashcore(q, k, v, shape):
+def _flashcore(q, k, v, shape, deterministic=False):
     variant = {}
     if shape.window != (-1, -1):
         variant["window_size"] = shape.window
     if shape.softcap > 0:
         variant["softcap"] = shape.softcap
-    return flashcore.attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, **variant)
+    return flashcore.attention(q, k, v, is_causal=shape.causal, enable_gqa=shape.gqa, deterministic=deterministic,
+                               **variant)
 
 
 try:  # FlashAttention-4 (the flash-attn-4 package, CuTe-DSL kernels): an optional anchor, BSHD inputs
@@ -332,6 +334,9 @@ def backend_registry(device: str) -> dict[str, Backend]:
     """All known backends. 'sdpa' is SDPA's default dispatch (no context); the others force one backend."""
     reg = {
         "flashcore": Backend("flashcore", _flashcore, unavailable=flashcore_status(device)),
+        # the bitwise-reproducible backward (deterministic=True); same forward
+        "flashcore-deterministic": Backend("flashcore-deterministic", functools.partial(_flashcore, deterministic=True),
+                                           unavailable=flashcore_status(device)),
         "sdpa": Backend("sdpa", _sdpa),
         "fa4": Backend("fa4", _fa4, unavailable=FA4_IMPORT_ERROR or (None if device == "cuda" else "GPU only"),
                        prepare=bshd_storage),

@@ -156,9 +156,11 @@ def test_bwd_kernel_name(monkeypatch):
     monkeypatch.delenv("FLASHCORE_FORCE_BWD", raising=False)
     expected = "sm90" if torch.cuda.get_device_capability() == (9, 0) else "sm80"
     assert flashcore.bwd_kernel_name(q, q, q, q) == expected
-    assert flashcore.bwd_kernel_name(q, q, q, q, deterministic=True) == "composite"
+    # deterministic: the Hopper kernel orders its dQ reductions; the mma.sync kernel's atomics cannot
+    assert flashcore.bwd_kernel_name(q, q, q, q, deterministic=True) == ("sm90" if expected == "sm90" else "composite")
     monkeypatch.setenv("FLASHCORE_FORCE_BWD", "sm80")
     assert flashcore.bwd_kernel_name(q, q, q, q) == "sm80"
+    assert flashcore.bwd_kernel_name(q, q, q, q, deterministic=True) == "composite"
 
 
 @pytest.mark.parametrize("how", ["argument", "global"])
@@ -176,12 +178,50 @@ def test_backward_deterministic_mode(request, how):
                                 (q, k, v), dout)
             for _ in range(2)
         ]
-        assert_ran("bwd", "composite")
+        ran = assert_ran("bwd", "sm90" if "sm90" in gpu_families() else "composite")
+        assert ran == "composite" or "deterministic" in ran, ran
     finally:
         torch.use_deterministic_algorithms(prev)
     for x, y in zip(*runs):
         assert torch.equal(x, y)
     check_grads(runs[0], q, k, v, dout, True)
+
+
+DETERMINISTIC_CASES = {  # (B, Hq, Hkv, Sq, Sk, D, dtype, causal, kwargs)
+    "hd128_80row": (2, 4, 2, 1000, 1000, 128, torch.bfloat16, False, {}),
+    "hd128_causal_gqa": (1, 8, 2, 777, 777, 128, torch.float16, True, {}),
+    "hd96_sq_lt_sk": (2, 2, 2, 300, 1100, 96, torch.bfloat16, True, {}),
+    "hd64_rows": (2, 4, 4, 1100, 900, 64, torch.float16, False, {}),
+    "hd64_softcap_keys": (1, 4, 2, 700, 700, 64, torch.bfloat16, True, {"softcap": 20.0}),
+    "hd256_chunks": (1, 2, 1, 600, 500, 256, torch.bfloat16, False, {}),
+    "window": (1, 4, 4, 1500, 1500, 128, torch.bfloat16, True, {"window_size": (200, 0)}),
+}
+
+
+@pytest.mark.parametrize("case", list(DETERMINISTIC_CASES))
+def test_backward_deterministic_hopper(request, case):
+    """deterministic=True on the Hopper kernel (dQ reductions in key-block order, BwdParams::dq_turns): every head-dim
+    tile and dQ split (80-row fragment order, 64-row by columns, by rows, by keys, head dim 256's chunks), GQA, causal
+    with Sq != Sk, a window, softcap: bitwise-identical gradients over three runs (the order of the blocks on the
+    GPU varies run to run), within the rule against float64."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the ordered dQ reductions are the sm90 kernel's")
+    B, Hq, Hkv, Sq, Sk, D, dtype, causal, kw = DETERMINISTIC_CASES[case]
+    g = make_generator(request, DEV)
+    q = randn((B, Hq, Sq, D), dtype, g, DEV, layout="bshd").requires_grad_()
+    k, v = (randn((B, Hkv, Sk, D), dtype, g, DEV).requires_grad_() for _ in range(2))
+    dout = randn((B, Hq, Sq, D), dtype, g, DEV)
+    runs = []
+    for _ in range(3):
+        out = flashcore.attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv, deterministic=True, **kw)
+        runs.append(torch.autograd.grad(out, (q, k, v), dout))
+        ran = assert_ran("bwd", "sm90")
+        assert "deterministic" in ran, ran
+    for other in runs[1:]:
+        for x, y in zip(runs[0], other):
+            assert torch.equal(x, y)
+    if not kw:
+        check_grads(runs[0], q, k, v, dout, causal, dtype=dtype)
 
 
 @pytest.mark.parametrize("seed", range(6))

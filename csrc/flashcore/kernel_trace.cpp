@@ -31,6 +31,7 @@ std::string last_kernel(Pass pass) {
   if (t.score_mod) s += " mod";
   if (t.varlen) s += " varlen";
   if (t.longest_first) s += " longest-first";
+  if (t.deterministic) s += " deterministic";
   if (t.wide_block_m > 0) s += " m" + std::to_string(t.wide_block_m);
   return s;
 }

@@ -18,6 +18,7 @@ struct KernelTrace {
   bool score_mod = false;       // CUDA kernels: the score-mod variant (softcap, ALiBi, non-positive scale)
   bool varlen = false;          // CUDA kernels: the variable-length variant (seqlen.h)
   bool longest_first = false;   // KV-cache kernel: blocks took their batch entries longest first
+  bool deterministic = false;   // sm90 backward: dQ reductions in key-block order (BwdParams::dq_turns)
   int wide_block_m = 0;         // backward: the wide-step kernel's query rows a step, where it ran
 };
 

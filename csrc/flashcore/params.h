@@ -124,6 +124,9 @@ struct BwdParams : FwdParams {
   Strides dout_stride, dq_stride, dk_stride, dv_stride;
   // Bitwise-reproducible gradients run to run (no floating-point atomics whose order varies).
   bool deterministic = false;
+  // The deterministic Hopper backward (dense): a zeroed int32 flag a (batch, query head, query tile) that orders the
+  // key blocks' dQ reductions of the tile by key block (sm90/bwd_sm90_producer.cuh); nullptr otherwise.
+  int* dq_turns = nullptr;
 };
 
 }  // namespace flashcore

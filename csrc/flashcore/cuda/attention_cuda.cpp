@@ -137,8 +137,8 @@ std::string fwd_kernel_name_cuda(const at::Tensor& query, const at::Tensor& key,
 
 // The fused backward runs when its head-dim tile was compiled, the device grants its shared memory (sm_86/sm_89
 // do not, above head dim 96) and its grids fit: the wgmma family (sm90) on compute capability 9.0 for tensors TMA
-// can describe, the mma.sync family (sm80) otherwise. Deterministic gradients go to the composite backward, since
-// the fused kernels sum dQ with atomics whose order varies. FLASHCORE_FORCE_BWD=composite|sm80|sm90 forces a path
+// can describe, the mma.sync family (sm80) otherwise. Deterministic gradients run on the Hopper kernel (its dQ
+// reductions in a fixed order) or else the composite backward (the mma.sync kernel's dQ atomics vary in order). FLASHCORE_FORCE_BWD=composite|sm80|sm90 forces a path
 // (switches.h); a forced sm90 still yields to sm80 where TMA rules the layout out, as the forward does.
 // nullptr: the composite backward.
 const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const at::Tensor& query,
@@ -147,7 +147,7 @@ const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const 
   const std::string forced = forced_bwd_path();
   TORCH_CHECK(forced.empty() || forced == "composite" || forced == "sm80" || forced == "sm90",
               "flashcore: FLASHCORE_FORCE_BWD=", forced, " is not a backward path (composite, sm80, sm90)");
-  if (deterministic || forced == "composite") return nullptr;
+  if (forced == "composite") return nullptr;
   const auto dtype = to_dtype(query.scalar_type());
   const int head_dim = (int)query.size(3);
   const cuda::BwdKernelEntry* sm90 = cuda::find_bwd_kernel("sm90", head_dim, dtype, score_mod);
@@ -162,6 +162,9 @@ const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const 
                                           ? sm90
                                           : cuda::find_bwd_kernel("sm80", head_dim, dtype, score_mod);
   if (entry == nullptr) return nullptr;
+  // Deterministic: the Hopper kernel orders its dQ reductions (BwdParams::dq_turns); the mma.sync kernel adds dQ
+  // with atomics whose order varies, so those calls take the composite backward.
+  if (deterministic && entry != sm90) return nullptr;
   if ((int64_t)prop.sharedMemPerBlockOptin < entry->smem_bytes) return nullptr;
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   const int64_t rows = query.size(0) * query.size(1) * query.size(2);
@@ -243,7 +246,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   // The fused kernel sums dQ in dq_accum (fp32) and never touches grad_query: release it until the end, so that
   // grad_query is not allocated together with dsum (peak memory at or below SDPA's; docs/PERFORMANCE.md).
   grad_query = at::Tensor();
-  const BwdParams p = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
+  BwdParams p = make_bwd_params(dout, q, k, v, o, lse, grad_query, grad_key, grad_value, opts, deterministic);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dsum = at::empty({q.size(0), q.size(1), q.size(2)}, f32);
   // The entry's wide-step kernel where it has one (its own row padding).
@@ -256,6 +259,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
                                                   : kernel->head_dim_tile;
   at::Tensor dq_accum = at::empty({q.size(0), q.size(1), rows, dq_cols}, f32);
   poison_if_enabled({dsum, dq_accum});  // the pre-pass must write both whole
+  at::Tensor dq_turns;  // deterministic: a flag a (batch, head, query tile), zeroed (BwdParams::dq_turns)
+  if (deterministic) {
+    dq_turns = at::zeros({q.size(0), q.size(1), rows / block_m}, q.options().dtype(at::kInt));
+    p.dq_turns = dq_turns.data_ptr<int>();
+  }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // One pass computes dsum and zeroes dq_accum, instead of a separate fill kernel (~80 us of a 12 ms backward at
   // 4x16x8192x128; measured within noise of the two-kernel version, one launch fewer).
@@ -263,6 +271,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
                            rows, (int)dq_cols, stream);
   KernelTrace trace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod};
   trace.wide_block_m = wide ? block_m : 0;
+  trace.deterministic = deterministic;
   record_kernel(Pass::kBwd, trace);
   (wide ? kernel->launch_wide : kernel->launch)(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
   dsum = at::Tensor();

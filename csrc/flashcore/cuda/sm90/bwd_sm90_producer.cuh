@@ -7,6 +7,7 @@
 
 #include <cuda.h>
 
+#include "../ptx/global_flag.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../ptx/tma.cuh"
 #include "bwd_sm90_traits.cuh"
@@ -60,8 +61,25 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
 // The dQ writer (one thread of the producer warpgroup's second warp): per step, dQ chunk and consumer warpgroup,
 // once the warpgroup's 4 warps have staged their dQ (dq_full), adds the staging tile (32-column boxes) to the
 // fp32 accumulator with TMA reductions, and releases the tile (dq_empty) once TMA has read it.
+// The deterministic flag of the dense accumulator tile at `row` (in the dQ writer's units): (batch, head) pair
+// times the query tiles a head, plus the tile, since a head's accumulator rows are its query tiles' (padded).
+template <typename Traits>
+__device__ __forceinline__ int* dq_turn(const BwdParams& p, int row) {
+  constexpr int kUnit = Traits::kDqRowsInterleaved ? 8 : 1;
+  return p.dq_turns + (int64_t)row * kUnit / Traits::kBlockM;
+}
+
 // Fragment order (Traits::kDqFragmentOrder): each warpgroup's staged share is contiguous in the accumulator, one
 // bulk reduction without a tensor map (dq_accum: the accumulator's base).
+// Deterministic (p.dq_turns, dense kernels): the key blocks that visit a query tile add to it in descending
+// key-block order, so every element of dQ is summed in one fixed order. A tile's visitors are consecutive key
+// blocks (the band's query range of a key block moves monotonically with it), so block n waits only where block
+// n + 1 visits the tile too (the same Band computation as bwd_block, hence the same answer), until the tile's flag
+// reads n + 2; it adds (each reduction completed before the next: split by keys, both warpgroups add to the same
+// elements) and sets n + 1. Block n + 1 has the lower block index (bwd_block), so it is resident or done: the
+// chain cannot deadlock. Descending, because the steps walk query tiles upwards: under a causal mask block n + 1
+// meets a tile one step earlier in its walk than block n, so in the steady state nobody waits (ascending, each
+// block started a step behind the previous one and a causal backward ran at ~0.56x the unordered one).
 template <typename Traits>
 __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock& blk,
                                              const BwdSharedStorage<Traits>& smem, const CUtensorMap* tm_dq,
@@ -81,7 +99,25 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
   constexpr int kUnit = Traits::kDqRowsInterleaved ? 8 : 1;
   static_assert(kBlockM % kUnit == 0 && Traits::dq_row0(1) % kUnit == 0);
   int row = (head_row0 + blk.m_begin * kBlockM) / kUnit, m_left = blk.m_count;
+  // Deterministic: little is kept across steps (this thread has 24 registers): block n_block + 1's query tiles
+  // wait in shared memory (none past the last key block: the band's query range of keys past seqlen_k is empty),
+  // the flag's index is recomputed from the row each step.
+  const bool ordered = !Traits::kVarlen && p.dq_turns != nullptr;
+  if constexpr (!Traits::kVarlen) {
+    if (ordered) {
+      const int64_t next0 = blk.n0 + Traits::kBlockN;
+      const IndexRange next =
+          Band::tiles(p.band.queries_of_keys(next0, next0 + Traits::kBlockN, p.seqlen_q), kBlockM);
+      smem.next_tiles[0] = (int)next.begin;
+      smem.next_tiles[1] = (int)next.end;
+    }
+  }
   for (int step = 0; step < blk.steps; ++step) {
+    if (ordered) {
+      const int m = blk.m_begin + blk.m_count - m_left;
+      if (m >= smem.next_tiles[0] && m < smem.next_tiles[1])
+        ptx::wait_for_turn(dq_turn<Traits>(p, row), blk.n_block + 2);
+    }
 #pragma unroll
     for (int chunk = 0; chunk < Traits::kDqChunks; ++chunk) {
 #pragma unroll
@@ -104,6 +140,7 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
           }
         }
         ptx::bulk_commit_group();
+        if (ordered) ptx::bulk_wait_group<0>();  // deterministic: one reduction at a time
       }
       // Groups complete in order: release each warpgroup's tile as soon as its reduction has read it.
       static_assert(kW == 2, "release order below is written for two consumer warpgroups");
@@ -112,6 +149,7 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
       ptx::bulk_wait_group_read<0>();
       ptx::mbarrier_arrive(&smem.dq_empty[1]);
     }
+    if (ordered) ptx::pass_turn(dq_turn<Traits>(p, row), blk.n_block + 1);
     row += kBlockM / kUnit;
     if (--m_left == 0) {  // next head of the group
       m_left = blk.m_count;

@@ -126,9 +126,13 @@ struct BwdSm90Traits {
   // Varlen: the sequence's band in shared memory after the barriers, a copy for each consumer warpgroup (they may
   // synchronize apart), as the consumers have no registers to hold it across their loop.
   static constexpr int kBandBytes = kVarlen ? 32 * kWarpgroups : 0;  // a copy a warpgroup
+  // Deterministic dense kernels: the query tiles [begin, end) of key block n_block + 1, which the dQ writer
+  // (24 registers) computes once and reads back each step (bwd_sm90_producer.cuh).
+  static constexpr int kNextTilesBytes = kVarlen ? 0 : 8;
   static constexpr int kSmemBytes = 1024 + 2 * kKVBytes + (kStages + kDoStages) * kQBytes +
                                     (kDsBuffers + kPtBuffers) * kDsBytes + kWarpgroups * kDqWgBytes +
-                                    2 * kRowStatCopies * kRowStatBytes + 8 * kBarriers + kBandBytes;
+                                    2 * kRowStatCopies * kRowStatBytes + 8 * kBarriers + kBandBytes +
+                                    kNextTilesBytes;
   static_assert(kSmemBytes <= 227 * 1024, "shared memory");
 };
 
@@ -151,6 +155,7 @@ struct BwdSharedStorage {
   uint64_t* dq_full;    // kWarpgroups: a warpgroup's dQ is staged (its 4 warps arrive)
   uint64_t* dq_empty;   // kWarpgroups: the dQ writer's reduction has read the staging tile
   Band* seq_band;       // varlen: kWarpgroups copies of the block's sequence's band (kBandBytes)
+  int* next_tiles;      // dense: the dQ writer's [begin, end) of key block n_block + 1 (kNextTilesBytes)
 
   __device__ __forceinline__ explicit BwdSharedStorage(unsigned char* raw) {
     // Pointer arithmetic on raw (not an integer round trip) keeps the pointers provably in shared memory, so
@@ -176,6 +181,7 @@ struct BwdSharedStorage {
     dq_full = qdo_empty + Traits::kStages + (Traits::kSeparateDo ? 2 * Traits::kDoStages : 0);
     dq_empty = dq_full + Traits::kWarpgroups;
     seq_band = reinterpret_cast<Band*>(bars + Traits::kBarriers);
+    next_tiles = reinterpret_cast<int*>(reinterpret_cast<unsigned char*>(seq_band) + Traits::kBandBytes);
   }
   __device__ __forceinline__ Element* q_stage(int s) const { return q + s * Traits::QTile::kElems; }
   __device__ __forceinline__ Element* dout_stage(int s) const { return dout + s * Traits::QTile::kElems; }
@@ -262,12 +268,15 @@ __device__ __forceinline__ BwdBlock varlen_bwd_block(const BwdParams& p, int num
   return blk;
 }
 
-// Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first.
+// Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first. Deterministic
+// (p.dq_turns) the other way round: a key block adds its dQ to a query tile after block n_block + 1 did
+// (bwd_sm90_producer.cuh), which must therefore have the lower block index (started no later: no deadlock).
 template <int kBlockM, int kBlockN, bool kVarlen>
 __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p, int num_n_blocks) {
   if constexpr (kVarlen) return varlen_bwd_block<kBlockM, kBlockN>(p, num_n_blocks);
   BwdBlock blk;
   blk.n_block = (int)(blockIdx.x % num_n_blocks);
+  if (p.dq_turns != nullptr) blk.n_block = num_n_blocks - 1 - blk.n_block;
   const uint32_t bhkv = blockIdx.x / num_n_blocks;
   uint32_t h_kv;
   blk.b = p.heads_kv_div.divmod(bhkv, h_kv);  // bhkv < gridDim.x < 2^31

@@ -1,0 +1,38 @@
+// A turn-taking flag in global memory between blocks of one grid, wrapped once: one thread waits (acquire, GPU
+// scope) until the flag holds its turn, and later hands the turn on (release, GPU scope). The deterministic Hopper
+// backward orders its dQ reductions with it (sm90/bwd_sm90_producer.cuh).
+// PTX ISA "Data movement: ld" / "st" with .acquire / .release and .gpu scope (9.7.9.8, 9.7.9.10; memory consistency
+// model, section 8), and "membar/fence" (9.7.13.4): fence.proxy.async orders these generic-proxy accesses with the
+// thread's bulk (async-proxy) reductions on either side.
+#pragma once
+
+namespace flashcore::ptx {
+
+__device__ __forceinline__ int load_acquire_gpu(const int* flag) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(value) : "l"(flag) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void store_release_gpu(int* flag, int value) {
+  asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ void fence_proxy_async_global() {
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+}
+
+// Spins until *flag == turn; then the thread's later bulk operations follow what the flag's writer did before it.
+__device__ __forceinline__ void wait_for_turn(const int* flag, int turn) {
+  while (load_acquire_gpu(flag) != turn) {
+  }
+  fence_proxy_async_global();
+}
+
+// Hands the turn on: the thread's completed bulk reductions (bulk_wait_group<0> first) happen before the store.
+__device__ __forceinline__ void pass_turn(int* flag, int next) {
+  fence_proxy_async_global();
+  store_release_gpu(flag, next);
+}
+
+}  // namespace flashcore::ptx
