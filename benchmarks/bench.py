@@ -1050,8 +1050,8 @@ def main(argv=None) -> int:
     names = args.backends.split(",") if args.backends else DEFAULT_BACKENDS[device]
     names = [n.strip() for n in names if n.strip()]
     for n in names:
-        if n.startswith("flashcore@"):
-            registry[n] = switched_flashcore(registry["flashcore"], n)
+        if n.startswith(("flashcore@", "flashcore-deterministic@")):
+            registry[n] = switched_flashcore(registry[n.split("@", 1)[0]], n)
         if n not in registry:
             parser.error(f"--backends: unknown backend {n!r}; known: {', '.join(registry)}")
     if "sdpa" not in names:

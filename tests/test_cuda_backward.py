@@ -156,11 +156,11 @@ def test_bwd_kernel_name(monkeypatch):
     monkeypatch.delenv("FLASHCORE_FORCE_BWD", raising=False)
     expected = "sm90" if torch.cuda.get_device_capability() == (9, 0) else "sm80"
     assert flashcore.bwd_kernel_name(q, q, q, q) == expected
-    # deterministic: the Hopper kernel orders its dQ reductions; the mma.sync kernel's atomics cannot
-    assert flashcore.bwd_kernel_name(q, q, q, q, deterministic=True) == ("sm90" if expected == "sm90" else "composite")
+    # deterministic: the same fused kernels, their dQ additions ordered by key block
+    assert flashcore.bwd_kernel_name(q, q, q, q, deterministic=True) == expected
     monkeypatch.setenv("FLASHCORE_FORCE_BWD", "sm80")
     assert flashcore.bwd_kernel_name(q, q, q, q) == "sm80"
-    assert flashcore.bwd_kernel_name(q, q, q, q, deterministic=True) == "composite"
+    assert flashcore.bwd_kernel_name(q, q, q, q, deterministic=True) == "sm80"
 
 
 @pytest.mark.parametrize("how", ["argument", "global"])
@@ -178,8 +178,8 @@ def test_backward_deterministic_mode(request, how):
                                 (q, k, v), dout)
             for _ in range(2)
         ]
-        ran = assert_ran("bwd", "sm90" if "sm90" in gpu_families() else "composite")
-        assert ran == "composite" or "deterministic" in ran, ran
+        ran = assert_ran("bwd", "sm90" if "sm90" in gpu_families() else "sm80")
+        assert "deterministic" in ran, ran
     finally:
         torch.use_deterministic_algorithms(prev)
     for x, y in zip(*runs):
@@ -198,14 +198,17 @@ DETERMINISTIC_CASES = {  # (B, Hq, Hkv, Sq, Sk, D, dtype, causal, kwargs)
 }
 
 
+@pytest.mark.parametrize("path", ["sm90", "sm80"])
 @pytest.mark.parametrize("case", list(DETERMINISTIC_CASES))
-def test_backward_deterministic_hopper(request, case):
-    """deterministic=True on the Hopper kernel (dQ reductions in key-block order, BwdParams::dq_turns): every head-dim
-    tile and dQ split (80-row fragment order, 64-row by columns, by rows, by keys, head dim 256's chunks), GQA, causal
-    with Sq != Sk, a window, softcap: bitwise-identical gradients over three runs (the order of the blocks on the
-    GPU varies run to run), within the rule against float64."""
-    if "sm90" not in gpu_families():
-        pytest.skip("the ordered dQ reductions are the sm90 kernel's")
+def test_backward_deterministic_fused(request, monkeypatch, path, case):
+    """deterministic=True on the fused kernels (dQ additions in key-block order, BwdParams::dq_turns): on the Hopper
+    kernel every head-dim tile and dQ split (80-row fragment order, 64-row by columns, by rows, by keys, head dim
+    256's chunks), on the mma.sync kernel its atomics; GQA, causal with Sq != Sk, a window, softcap: bitwise-identical
+    gradients over three runs (the order of the blocks on the GPU varies run to run), within the rule against
+    float64."""
+    if path not in gpu_families():
+        pytest.skip(f"no {path} kernels on this GPU")
+    monkeypatch.setenv("FLASHCORE_FORCE_BWD", path)
     B, Hq, Hkv, Sq, Sk, D, dtype, causal, kw = DETERMINISTIC_CASES[case]
     g = make_generator(request, DEV)
     q = randn((B, Hq, Sq, D), dtype, g, DEV, layout="bshd").requires_grad_()
@@ -215,7 +218,7 @@ def test_backward_deterministic_hopper(request, case):
     for _ in range(3):
         out = flashcore.attention(q, k, v, is_causal=causal, enable_gqa=Hq != Hkv, deterministic=True, **kw)
         runs.append(torch.autograd.grad(out, (q, k, v), dout))
-        ran = assert_ran("bwd", "sm90")
+        ran = assert_ran("bwd", path)
         assert "deterministic" in ran, ran
     for other in runs[1:]:
         for x, y in zip(runs[0], other):

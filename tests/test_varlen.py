@@ -194,16 +194,21 @@ def test_varlen_batch_of_one_matches_dense_cpu(request):
     torch.testing.assert_close(lse, dense_lse[0], rtol=0, atol=0)
 
 
-def test_varlen_rows_outside_sequences_cpu(request):
-    """cu_seqlens covering only part of the tensors: rows past cu_seqlens_q[-1] get lse -inf and zero dQ; keys past
-    cu_seqlens_k[-1] get zero dK/dV."""
-    g = make_generator(request)
-    q, k, v = (torch.randn(50, 2, 16, generator=g).requires_grad_() for _ in range(3))
-    cu = torch.tensor([0, 20, 40], dtype=torch.int32)
+def _rows_outside_sequences(device, dtype, g):
+    """cu_seqlens covering only the middle of the tensors (rows 5..40 of 50): rows before and after get out 0 and
+    lse -inf, as a row that sees no key, and zero dQ; keys outside get zero dK/dV."""
+    q, k, v = (torch.randn(50, 2, 16, generator=g, device=device).to(dtype).requires_grad_() for _ in range(3))
+    cu = torch.tensor([5, 20, 40], dtype=torch.int32, device=device)
     out, lse = flashcore.varlen_attention(q, k, v, cu, cu, 20, 20, return_lse=True)
-    assert torch.isneginf(lse[:, 40:]).all() and torch.isfinite(lse[:, :40]).all()
-    out[:40].sum().backward()
-    assert (q.grad[40:] == 0).all() and (k.grad[40:] == 0).all() and (v.grad[40:] == 0).all()
+    outside = torch.cat([torch.arange(5), torch.arange(40, 50)]).to(device)
+    assert (out[outside] == 0).all() and torch.isneginf(lse[:, outside]).all()
+    assert torch.isfinite(lse[:, 5:40]).all() and torch.isfinite(out[5:40]).all()
+    out[5:40].float().sum().backward()
+    assert (q.grad[outside] == 0).all() and (k.grad[outside] == 0).all() and (v.grad[outside] == 0).all()
+
+
+def test_varlen_rows_outside_sequences_cpu(request):
+    _rows_outside_sequences("cpu", torch.float32, make_generator(request))
 
 
 def test_varlen_errors_name_the_argument():
@@ -451,6 +456,17 @@ def test_varlen_long_sequence_cuda(request, family):
     low = lowp_attention(qb, kb, vb, causal=True, causal_offset=70000 - 128)
     check_close("out", out[3:70003][rows], ref[0].transpose(0, 1), low[0].transpose(0, 1))
     run_forward(q[70003:], k[70003:], v[70003:], offsets([129], "cuda"), offsets([129], "cuda"), kw)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("family", ["sm80", "sm90"])
+def test_varlen_rows_outside_sequences_cuda(request, monkeypatch, family):
+    """The same on the GPU kernels (outputs poisoned first in the suite: the rows no kernel visits are zeroed)."""
+    if family not in gpu_families():
+        pytest.skip(f"no {family} kernels on this GPU")
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", family)
+    _rows_outside_sequences("cuda", torch.bfloat16, make_generator(request, "cuda"))
 
 
 @pytest.mark.gpu

@@ -73,7 +73,7 @@ TORCH_LIBRARY(flashcore, m) {
   // length batch + 1), of which seqused_k[b] keys are used when seqused_k (int32 (batch,)) is given.
   // max_seqlen_q/max_seqlen_k bound the sequences' lengths (Python ints; they size the grids). The causal
   // diagonal and the window are aligned bottom-right in each sequence (flash-attn's rule). lse is (heads_q,
-  // total_q); rows outside every sequence get lse = -inf (out there is unspecified).
+  // total_q); rows outside every sequence get lse = -inf and out = 0.
   m.def(
       "varlen_fwd(Tensor query, Tensor key, Tensor value, Tensor cu_seqlens_q, Tensor cu_seqlens_k, "
       "int max_seqlen_q, int max_seqlen_k, float softmax_scale, bool is_causal=False, int window_left=-1, "

@@ -63,6 +63,12 @@ std::tuple<at::Tensor, at::Tensor> varlen_fwd_cpu(const at::Tensor& query, const
   const VarlenArgs args = make_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k);
   check_varlen_fwd_inputs(query, key, value, args, opts, kCpuLimits);
   auto [out, lse] = alloc_varlen_fwd_outputs(query);
+  // Rows before the first sequence or after the last (validated offsets): no kernel visits them; 0, as a row that
+  // sees no key (lse is -inf there already).
+  const at::Tensor cu = cu_seqlens_q.contiguous();
+  const int64_t first = cu.data_ptr<int32_t>()[0], last = cu.data_ptr<int32_t>()[cu.numel() - 1];
+  out.narrow(0, 0, first).zero_();
+  out.narrow(0, last, out.size(0) - last).zero_();
   const FwdParams p = make_varlen_fwd_params(query, key, value, out, lse, args, opts);
   if (!varlen_fwd_is_trivial(p, out)) {
     record_kernel(Pass::kFwd, KernelTrace{"cpu"});

@@ -20,6 +20,7 @@
 #include "decode/decode.h"
 #include "kernel_registry.h"
 #include "sm90/tma_desc.h"
+#include "varlen_rows.cuh"
 
 namespace flashcore {
 namespace {
@@ -137,8 +138,8 @@ std::string fwd_kernel_name_cuda(const at::Tensor& query, const at::Tensor& key,
 
 // The fused backward runs when its head-dim tile was compiled, the device grants its shared memory (sm_86/sm_89
 // do not, above head dim 96) and its grids fit: the wgmma family (sm90) on compute capability 9.0 for tensors TMA
-// can describe, the mma.sync family (sm80) otherwise. Deterministic gradients run on the Hopper kernel (its dQ
-// reductions in a fixed order) or else the composite backward (the mma.sync kernel's dQ atomics vary in order). FLASHCORE_FORCE_BWD=composite|sm80|sm90 forces a path
+// can describe, the mma.sync family (sm80) otherwise. Deterministic gradients run on the same kernels, their dQ
+// additions ordered by key block (BwdParams::dq_turns). FLASHCORE_FORCE_BWD=composite|sm80|sm90 forces a path
 // (switches.h); a forced sm90 still yields to sm80 where TMA rules the layout out, as the forward does.
 // nullptr: the composite backward.
 const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const at::Tensor& query,
@@ -162,9 +163,6 @@ const cuda::BwdKernelEntry* select_bwd_kernel(const at::Tensor& grad_out, const 
                                           ? sm90
                                           : cuda::find_bwd_kernel("sm80", head_dim, dtype, score_mod);
   if (entry == nullptr) return nullptr;
-  // Deterministic: the Hopper kernel orders its dQ reductions (BwdParams::dq_turns); the mma.sync kernel adds dQ
-  // with atomics whose order varies, so those calls take the composite backward.
-  if (deterministic && entry != sm90) return nullptr;
   if ((int64_t)prop.sharedMemPerBlockOptin < entry->smem_bytes) return nullptr;
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   const int64_t rows = query.size(0) * query.size(1) * query.size(2);
@@ -424,6 +422,7 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_fwd(const at::Tensor& query_in, co
     p.varlen.block_table_stride = paged->block_table.stride(0);
     p.varlen.page_size = (int)paged->page_size;
   }
+  cuda::zero_rows_outside_sequences(out, cu_seqlens_q);  // rows no kernel visits: 0, as rows that see no key
   if (varlen_fwd_is_trivial(p, out)) return {out, lse};
   const cuda::FwdKernelEntry& kernel = select_varlen_fwd_kernel(query, key, value, prop, max_seqlen_q,
                                                                 transforms_scores(opts), short_rows_on_sm90);

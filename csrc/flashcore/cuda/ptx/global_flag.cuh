@@ -1,9 +1,9 @@
-// A turn-taking flag in global memory between blocks of one grid, wrapped once: one thread waits (acquire, GPU
-// scope) until the flag holds its turn, and later hands the turn on (release, GPU scope). The deterministic Hopper
-// backward orders its dQ reductions with it (sm90/bwd_sm90_producer.cuh).
+// A turn-taking flag in global memory between blocks of one grid, wrapped once: a thread waits (acquire, GPU
+// scope) until the flag holds its turn, and later hands the turn on (release, GPU scope). The deterministic
+// backwards order their dQ additions with it (sm90/bwd_sm90_producer.cuh, sm80/bwd_sm80_kernel.cuh).
 // PTX ISA "Data movement: ld" / "st" with .acquire / .release and .gpu scope (9.7.9.8, 9.7.9.10; memory consistency
-// model, section 8), and "membar/fence" (9.7.13.4): fence.proxy.async orders these generic-proxy accesses with the
-// thread's bulk (async-proxy) reductions on either side.
+// model, section 8; sm_70+), and "membar/fence" (9.7.13.4): fence.proxy.async (sm_90) orders these generic-proxy
+// accesses with the thread's bulk (async-proxy) reductions on either side.
 #pragma once
 
 namespace flashcore::ptx {
@@ -18,14 +18,22 @@ __device__ __forceinline__ void store_release_gpu(int* flag, int value) {
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(value) : "memory");
 }
 
-__device__ __forceinline__ void fence_proxy_async_global() {
-  asm volatile("fence.proxy.async.global;\n" ::: "memory");
-}
-
-// Spins until *flag == turn; then the thread's later bulk operations follow what the flag's writer did before it.
-__device__ __forceinline__ void wait_for_turn(const int* flag, int turn) {
+// Spins until *flag == turn; the thread's later accesses follow what the flag's writer did before its release.
+__device__ __forceinline__ void wait_until_equal(const int* flag, int turn) {
   while (load_acquire_gpu(flag) != turn) {
   }
+}
+
+// sm_90 (a no-op elsewhere: only the Hopper kernels, built for sm_90a, call these three).
+__device__ __forceinline__ void fence_proxy_async_global() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("fence.proxy.async.global;\n" ::: "memory");
+#endif
+}
+
+// The same for a thread whose additions are bulk reductions (async proxy): wait, then order them after the flag.
+__device__ __forceinline__ void wait_for_turn(const int* flag, int turn) {
+  wait_until_equal(flag, turn);
   fence_proxy_async_global();
 }
 

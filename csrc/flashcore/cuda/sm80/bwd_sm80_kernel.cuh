@@ -10,6 +10,10 @@
 //   dQ += scale * dS K                             (warps: 4 along queries x kColWarps along head dim), added to a
 //                                                   fp32 workspace with atomics (the only cross-block traffic;
 //                                                   pairs of floats per instruction on sm_90)
+// Deterministic (p.dq_turns, dense): a block adds its dQ of a query tile only in its turn, in descending key-block
+// order, as the Hopper kernel does (sm90/bwd_sm90_producer.cuh): thread 0 waits until block n_block + 1 has added
+// (where it sees the tile), the block adds (one addition an element: its warps partition the tile), and thread 0
+// passes the turn after every thread's fence; key blocks launch in reverse so the block waited for started first.
 // dq_accum is (batch * heads_q, query blocks * kBlockM, kHeadDim) fp32. A variant that staged each dQ tile in
 // shared memory and added it with one bulk reduction (cp.reduce.async.bulk) measured the same as the paired
 // atomics (211 vs 209 TFLOP/s at head dim 128) and was dropped (docs/PERFORMANCE.md).
@@ -25,6 +29,7 @@
 #include "../common/pack.cuh"
 #include "../common/tile_io.cuh"
 #include "../ptx/cp_async.cuh"
+#include "../ptx/global_flag.cuh"
 #include "bwd_sm80_config.cuh"
 #include "bwd_sm80_gemm.cuh"
 
@@ -79,8 +84,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const int wkd = warp / Traits::kKVWarpsN;  // dK, dV: kKVDims dims
   const int g = lane >> 2, t = lane & 3;
 
-  // Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first.
-  const int n_block = (int)(blockIdx.x % num_n_blocks);
+  // Heavier key blocks (the first ones, under a causal mask) have the smaller n_block and start first; deterministic,
+  // the other way round (see above).
+  const bool ordered = !kVarlen && p.dq_turns != nullptr;
+  const int n_block = ordered ? num_n_blocks - 1 - (int)(blockIdx.x % num_n_blocks) : (int)(blockIdx.x % num_n_blocks);
   uint32_t h_kv32;
   const int64_t slot = p.heads_kv_div.divmod(blockIdx.x / num_n_blocks, h_kv32);  // < gridDim.x < 2^31
   const int64_t b = kVarlen ? p.varlen.sequence_of_slot(slot) : slot;
@@ -229,6 +236,14 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     warp_gemm_ab<PTile, KVTile, kQDT, kBlockN / 16>(dq, sdS, wm * 16, sK, wc * Traits::kQDims, lane);
     float* dq_tile = dq_accum + (kVarlen ? h * p.varlen.total_q + q_begin + m0
                                          : (b * p.heads_q + h) * dq_rows_per_head + m0) * Traits::kHeadDim;
+    int* turn = nullptr;  // deterministic: the flag of this (batch, head, query tile)
+    if (ordered) {
+      turn = p.dq_turns + (b * p.heads_q + h) * (dq_rows_per_head / kBlockM) + m_block;
+      const IndexRange next =
+          Band::tiles(band.queries_of_keys((int64_t)n0 + kBlockN, (int64_t)n0 + 2 * kBlockN, seqlen_q), kBlockM);
+      if (tid == 0 && m_block >= next.begin && m_block < next.end) ptx::wait_until_equal(turn, n_block + 2);
+      __syncthreads();
+    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       if (m0 + r_lo + 8 * half < seqlen_q) {
@@ -239,6 +254,11 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
           atomic_add_pair(dst + col, dq[di][2 * half] * p.scale, dq[di][2 * half + 1] * p.scale);
         }
       }
+    }
+    if (ordered) {
+      __threadfence();  // this thread's additions, visible GPU-wide before the turn passes
+      __syncthreads();
+      if (tid == 0) ptx::store_release_gpu(turn, n_block + 1);
     }
   }
 
