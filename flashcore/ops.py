@@ -122,9 +122,20 @@ def float_arg(value, name, fn, default=None, float32=False) -> float:
         out = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{fn}: {name} must be a float; got {value!r}") from None
-    if float32 and math.isfinite(out) and abs(out) > 3.4e38:
+    # Not under torch.compile: with dynamic shapes dynamo makes Python floats symbolic, which math cannot take.
+    if float32 and not torch.compiler.is_compiling() and math.isfinite(out) and abs(out) > 3.4e38:
         raise ValueError(f"{fn}: {name}={value!r} is beyond float32's range, in which the kernels apply it")
     return out
+
+
+def _autocast(*tensors):
+    """Inside torch.autocast, the dtype SDPA would compute in: float32 (and mixed) inputs cast to the autocast dtype
+    (float64 left alone, as autocast does)."""
+    device_type = tensors[0].device.type
+    if device_type not in ("cuda", "cpu") or not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) if t.is_floating_point() and t.dtype != torch.float64 else t for t in tensors)
 
 
 def pad_head_dim(tensors, multiple=8):
@@ -156,24 +167,27 @@ def attention(
 ):
     """Exact fused attention with the semantics of ``torch.nn.functional.scaled_dot_product_attention``.
 
-    query: (B, Hq, Sq, D); key, value: (B, Hkv, Sk, D), any strides with a contiguous last dim (BSHD tensors
-    passed as ``x.transpose(1, 2)`` views are read in place). 3-D inputs (B, S, D) are treated as one head.
-    is_causal masks as SDPA does (top-left aligned when Sq != Sk). scale defaults to 1/sqrt(D). With
-    enable_gqa=True, Hq may be a multiple of Hkv (grouped-query attention; K/V are never copied per head).
-    attn_mask and dropout_p exist for drop-in compatibility and must be None and 0.
+    query: (B, Hq, Sq, D); key: (B, Hkv, Sk, D); value: (B, Hkv, Sk, Dv), any strides (BSHD tensors passed as
+    ``x.transpose(1, 2)`` views are read in place when the last dim is contiguous, copied otherwise). As in SDPA,
+    any number of leading batch dims (..., H, S, D) works, 3-D inputs are (H, S, D) and 2-D one head, and Dv may
+    differ from D. is_causal masks as SDPA does (top-left aligned when Sq != Sk). scale defaults to 1/sqrt(D). With
+    enable_gqa=True, Hq may be a multiple of Hkv (grouped-query attention; K/V are never copied per head). Inside
+    torch.autocast, float32 inputs run in the autocast dtype, as SDPA's do. attn_mask and dropout_p exist for
+    drop-in compatibility and must be None and 0.
 
     Variants (aligned top-left like is_causal; flash_attn_func aligns them bottom-right):
       window_size=(left, right): query i sees keys i - left .. i + right (-1: unbounded on that side);
       softcap > 0: scores become softcap * tanh(score / softcap) (after the scale);
-      sinks: float32 (Hq,), each row's softmax denominator gains exp(sinks[h]) (differentiable);
-      alibi_slopes: float32 (Hq,) or (B, Hq), scores gain -slope * |i + Sk - Sq - j| (not differentiable).
+      sinks: (Hq,), each row's softmax denominator gains exp(sinks[h]) (differentiable; held in float32);
+      alibi_slopes: (Hq,) or (B, Hq), scores gain -slope * |i + Sk - Sq - j| (float32; not differentiable).
 
-    deterministic=True makes the backward bitwise reproducible run to run (on CUDA it then sums dQ without
-    atomics, at a large cost in speed: docs/PERFORMANCE.md); torch.use_deterministic_algorithms(True) does the same
-    for every call. The forward is always deterministic.
+    deterministic=True makes the backward bitwise reproducible run to run (on CUDA the fused kernels then add dQ in
+    a fixed order, at 0.7-0.95x their speed: docs/PERFORMANCE.md); torch.use_deterministic_algorithms(True) does the
+    same for every call. The forward is always deterministic.
 
-    Returns out (shape and dtype of query), or (out, lse) with return_lse=True, lse being the float32
-    (B, Hq, Sq) natural-log log-sum-exp of each row of logits, sinks included (not differentiable).
+    Returns out (query's shape with Dv last, query's dtype), or (out, lse) with return_lse=True, lse being the
+    (B, Hq, Sq) natural-log log-sum-exp of each row of logits, sinks included (float32; float64 for float64
+    inputs; not differentiable).
     """
     _check_tensor(query, "query")
     _check_tensor(key, "key")
@@ -187,34 +201,52 @@ def attention(
             f"flashcore.attention: query, key and value must have the same rank; got query {query.dim()}-D, "
             f"key {key.dim()}-D, value {value.dim()}-D"
         )
-    if query.dim() not in (3, 4):
+    if query.dim() < 2:
         raise RuntimeError(
-            f"flashcore.attention: query must be 4-D (batch, heads, seq_len, head_dim) or 3-D; got "
+            f"flashcore.attention: query must be (..., heads, seq_len, head_dim), at least 2-D; got "
             f"{query.dim()}-D with shape {tuple(query.shape)}"
         )
-    squeeze = query.dim() == 3
-    if squeeze:
-        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    # SDPA's shapes: (..., heads, seq_len, head_dim), any number of leading batch dims (flattened into one here);
+    # 3-D is (heads, seq_len, head_dim) and 2-D one head.
+    lead = tuple(query.shape[:-3])
+    if query.dim() > 4 and (tuple(key.shape[:-3]) != lead or tuple(value.shape[:-3]) != lead):
+        raise RuntimeError(
+            f"flashcore.attention: query, key and value must have the same batch dims; got query "
+            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+        )
+    rows_shape = tuple(query.shape[:-1])  # out is (*rows_shape, value head dim), lse rows_shape
+    if query.dim() != 4:
+        query, key, value = (t.reshape((-1,) + tuple(t.shape[-3:])) if t.dim() >= 3 else t.reshape((1, 1) + tuple(t.shape))
+                             for t in (query, key, value))
+    query, key, value = _autocast(query, key, value)
+    # The kernels read unit-stride rows (flash-attn's maybe_contiguous); a value head dim other than query's (SDPA
+    # allows it) runs zero-padded to the larger one: zeros add nothing to q.k, padded value columns are cropped.
+    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    qk_dim, v_dim = query.size(-1), value.size(-1)
+    if v_dim < qk_dim:
+        value = torch.nn.functional.pad(value, (0, qk_dim - v_dim))
+    elif v_dim > qk_dim:
+        query, key = (torch.nn.functional.pad(t, (0, v_dim - qk_dim)) for t in (query, key))
     if not enable_gqa and query.size(1) != key.size(1):
         raise RuntimeError(
             f"flashcore.attention: query has {query.size(1)} heads but key has {key.size(1)}; pass enable_gqa=True "
             "for grouped-query attention"
         )
     fn = "flashcore.attention"
+    sinks, alibi_slopes = (t.float() if t is not None and t.is_floating_point() else t for t in (sinks, alibi_slopes))
     left, right = window_pair(window_size, fn)
     if scale is None:
-        head_dim = query.size(-1)
-        softmax_scale = 1.0 / math.sqrt(head_dim) if head_dim > 0 else 1.0
+        softmax_scale = 1.0 / math.sqrt(qk_dim) if qk_dim > 0 else 1.0
     else:
         softmax_scale = float_arg(scale, "scale", fn)
     softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
-    (query, key, value), head_dim = pad_head_dim([query, key, value])
+    (query, key, value), _ = pad_head_dim([query, key, value])
     out, lse = _fwd_op(query, key, value, softmax_scale, bool(is_causal), False, left, right, softcap,
                        bool(deterministic), sinks, alibi_slopes)
-    if out.size(-1) != head_dim:
-        out = out[..., :head_dim]
-    if squeeze:
-        out, lse = out.squeeze(1), lse.squeeze(1)
+    if out.size(-1) != v_dim:
+        out = out[..., :v_dim]
+    if len(rows_shape) != 3:
+        out, lse = out.reshape(rows_shape + (v_dim,)), lse.reshape(rows_shape)
     return (out, lse) if return_lse else out
 
 
@@ -254,6 +286,9 @@ def varlen_attention(
     for t, name in ((query, "query"), (key, "key"), (value, "value"), (cu_seqlens_q, "cu_seqlens_q"),
                     (cu_seqlens_k, "cu_seqlens_k")):
         _check_tensor(t, name, fn)
+    query, key, value = _autocast(query, key, value)
+    query, key, value = (t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    sinks, alibi_slopes = (t.float() if t is not None and t.is_floating_point() else t for t in (sinks, alibi_slopes))
     left, right = window_pair(window_size, fn)
     if scale is None:
         softmax_scale = 1.0 / math.sqrt(query.size(-1)) if query.size(-1) > 0 else 1.0

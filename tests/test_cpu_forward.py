@@ -165,3 +165,52 @@ def test_portable_isa_path_matches(request):
     env = dict(os.environ, FLASHCORE_CPU_ISA="portable")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr
+
+
+SDPA_SHAPES = {  # (query, key, value shapes, kwargs): what SDPA accepts beyond (B, H, S, D)
+    "5d": ((2, 3, 4, 5, 8), (2, 3, 4, 7, 8), (2, 3, 4, 7, 8), {}),
+    "2d_causal": ((5, 8), (7, 8), (7, 8), {"is_causal": True}),
+    "3d_heads_gqa": ((6, 5, 8), (2, 7, 8), (2, 7, 8), {"enable_gqa": True}),
+    "value_dim_larger": ((2, 4, 5, 8), (2, 4, 7, 8), (2, 4, 7, 12), {}),
+    "value_dim_smaller_causal": ((2, 4, 9, 16), (2, 4, 7, 16), (2, 4, 7, 6), {"is_causal": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(SDPA_SHAPES))
+def test_sdpa_shapes(request, case):
+    """SDPA's shapes: any leading batch dims, 3-D as (heads, seq, dim) (so enable_gqa groups dim -3), 2-D, a value
+    head dim other than query's; forward and gradients against SDPA in float64, lse of query's rows."""
+    qs, ks, vs, kw = SDPA_SHAPES[case]
+    g = make_generator(request)
+    q, k, v = (torch.randn(s, generator=g, dtype=torch.float64).requires_grad_() for s in (qs, ks, vs))
+    out, lse = flashcore.attention(q, k, v, return_lse=True, **kw)
+    want = torch.nn.functional.scaled_dot_product_attention(q, k, v, **kw)
+    assert out.shape == want.shape and lse.shape == qs[:-1]
+    torch.testing.assert_close(out, want, rtol=1e-10, atol=1e-10)
+    dout = torch.randn(want.shape, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), dout), torch.autograd.grad(want, (q, k, v), dout)):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_sdpa_modes(request):
+    """Inputs whose last dim is strided (copied, as SDPA takes them); under torch.autocast float32 inputs run in the
+    autocast dtype, as SDPA's; sinks of another float dtype (model.double()); torch.compile with dynamic shapes."""
+    g = make_generator(request)
+    x = torch.randn(2, 4, 16, 5, generator=g, dtype=torch.float64).transpose(-1, -2)
+    torch.testing.assert_close(flashcore.attention(x, x, x), torch.nn.functional.scaled_dot_product_attention(x, x, x),
+                               rtol=1e-10, atol=1e-10)
+    q = torch.randn(1, 2, 9, 16, generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = flashcore.attention(q, q, q, is_causal=True)
+        want = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert out.dtype == want.dtype == torch.bfloat16
+    check_close("out", out, reference_attention(q.double(), q.double(), q.double(), causal=True)[0],
+                lowp_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), causal=True))
+    q64 = q.double()
+    sinks = torch.randn(2, generator=g, dtype=torch.float64)
+    torch.testing.assert_close(flashcore.attention(q64, q64, q64, sinks=sinks),
+                               flashcore.attention(q64, q64, q64, sinks=sinks.float()), rtol=0, atol=0)
+    f = torch.compile(lambda a: flashcore.attention(a, a, a, is_causal=True), fullgraph=True, dynamic=True)
+    for n in (9, 13):
+        a = torch.randn(1, 2, n, 16, generator=g)
+        torch.testing.assert_close(f(a), flashcore.attention(a, a, a, is_causal=True))
