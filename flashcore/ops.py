@@ -128,6 +128,11 @@ def float_arg(value, name, fn, default=None, float32=False) -> float:
     return out
 
 
+def _float32_vector(t):
+    """sinks / alibi_slopes of another float dtype (a model.double()) as the float32 the op takes."""
+    return t.float() if t is not None and t.dtype != torch.float32 and t.is_floating_point() else t
+
+
 def _autocast(*tensors):
     """Inside torch.autocast, the dtype SDPA would compute in: float32 (and mixed) inputs cast to the autocast dtype
     (float64 left alone, as autocast does)."""
@@ -208,20 +213,22 @@ def attention(
         )
     # SDPA's shapes: (..., heads, seq_len, head_dim), any number of leading batch dims (flattened into one here);
     # 3-D is (heads, seq_len, head_dim) and 2-D one head.
-    lead = tuple(query.shape[:-3])
-    if query.dim() > 4 and (tuple(key.shape[:-3]) != lead or tuple(value.shape[:-3]) != lead):
-        raise RuntimeError(
-            f"flashcore.attention: query, key and value must have the same batch dims; got query "
-            f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-        )
-    rows_shape = tuple(query.shape[:-1])  # out is (*rows_shape, value head dim), lse rows_shape
+    rows_shape = None  # other than 4-D: out is (*rows_shape, value head dim), lse rows_shape
     if query.dim() != 4:
+        if query.dim() > 4 and not (key.shape[:-3] == query.shape[:-3] == value.shape[:-3]):
+            raise RuntimeError(
+                f"flashcore.attention: query, key and value must have the same batch dims; got query "
+                f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
+            )
+        rows_shape = tuple(query.shape[:-1])
         query, key, value = (t.reshape((-1,) + tuple(t.shape[-3:])) if t.dim() >= 3 else t.reshape((1, 1) + tuple(t.shape))
                              for t in (query, key, value))
-    query, key, value = _autocast(query, key, value)
+    if torch._C._is_any_autocast_enabled():  # one cheap call on the common path (host time bounds small calls)
+        query, key, value = _autocast(query, key, value)
     # The kernels read unit-stride rows (flash-attn's maybe_contiguous); a value head dim other than query's (SDPA
     # allows it) runs zero-padded to the larger one: zeros add nothing to q.k, padded value columns are cropped.
-    query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
     qk_dim, v_dim = query.size(-1), value.size(-1)
     if v_dim < qk_dim:
         value = torch.nn.functional.pad(value, (0, qk_dim - v_dim))
@@ -233,7 +240,8 @@ def attention(
             "for grouped-query attention"
         )
     fn = "flashcore.attention"
-    sinks, alibi_slopes = (t.float() if t is not None and t.is_floating_point() else t for t in (sinks, alibi_slopes))
+    if sinks is not None or alibi_slopes is not None:
+        sinks, alibi_slopes = _float32_vector(sinks), _float32_vector(alibi_slopes)
     left, right = window_pair(window_size, fn)
     if scale is None:
         softmax_scale = 1.0 / math.sqrt(qk_dim) if qk_dim > 0 else 1.0
@@ -245,7 +253,7 @@ def attention(
                        bool(deterministic), sinks, alibi_slopes)
     if out.size(-1) != v_dim:
         out = out[..., :v_dim]
-    if len(rows_shape) != 3:
+    if rows_shape is not None:
         out, lse = out.reshape(rows_shape + (v_dim,)), lse.reshape(rows_shape)
     return (out, lse) if return_lse else out
 
@@ -288,7 +296,7 @@ def varlen_attention(
         _check_tensor(t, name, fn)
     query, key, value = _autocast(query, key, value)
     query, key, value = (t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
-    sinks, alibi_slopes = (t.float() if t is not None and t.is_floating_point() else t for t in (sinks, alibi_slopes))
+    sinks, alibi_slopes = _float32_vector(sinks), _float32_vector(alibi_slopes)
     left, right = window_pair(window_size, fn)
     if scale is None:
         softmax_scale = 1.0 / math.sqrt(query.size(-1)) if query.size(-1) > 0 else 1.0
