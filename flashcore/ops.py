@@ -31,11 +31,30 @@ def _check_devices(op: str, first, args, kwargs):
                                "all tensors of a call must be on one device")
 
 
+def _check_qkv(query, key, value, head_axis):
+    """The shape and dtype rules the C++ checks apply (attention_host.cpp), on fake tensors too: under torch.compile
+    or on the meta device a bad call fails when traced, not at run time."""
+    for name, t in (("key", key), ("value", value)):
+        torch._check(t.dtype == query.dtype,
+                     lambda: f"flashcore: {name} has dtype {t.dtype} but query has dtype {query.dtype}")
+        torch._check(t.size(-1) == query.size(-1), lambda: f"flashcore: {name} head_dim {t.size(-1)} does not "
+                     f"match query head_dim {query.size(-1)}")
+    torch._check(query.is_floating_point(), lambda: f"flashcore: query has dtype {query.dtype}; expected a float")
+    torch._check(value.shape[:-1] == key.shape[:-1], lambda: f"flashcore: value shape {tuple(value.shape)} does not "
+                 f"match key shape {tuple(key.shape)} but for the head dim")
+    hq, hkv = query.size(head_axis), key.size(head_axis)
+    torch._check((hq == 0 and hkv == 0) or (hkv > 0 and hq % hkv == 0),
+                 lambda: f"flashcore: query heads {hq} must be a multiple of key/value heads {hkv}")
+
+
 @torch.library.register_fake("flashcore::fwd")
 def _fwd_fake(query, key, value, *args, **kwargs):  # the schema's other arguments do not change the shapes
     _check_devices("fwd", query, (key, value, *args), kwargs)
     torch._check(query.dim() == 4, lambda: f"flashcore: query must be 4-D; got {query.dim()}-D")
     torch._check(key.dim() == 4 and value.dim() == 4, lambda: "flashcore: key and value must be 4-D")
+    _check_qkv(query, key, value, head_axis=1)
+    torch._check(key.size(0) == query.size(0), lambda: f"flashcore: key batch size {key.size(0)} does not match "
+                 f"query batch size {query.size(0)}")
     out = torch.empty_like(query)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     lse = query.new_empty((query.size(0), query.size(1), query.size(2)), dtype=lse_dtype)
@@ -53,6 +72,7 @@ def _varlen_fwd_fake(query, key, value, *args, **kwargs):
     _check_devices("varlen_fwd", query, (key, value, *args), kwargs)
     torch._check(query.dim() == 3, lambda: f"flashcore: query must be 3-D (total_q, heads, head_dim); got {query.dim()}-D")
     torch._check(key.dim() == 3 and value.dim() == 3, lambda: "flashcore: key and value must be 3-D")
+    _check_qkv(query, key, value, head_axis=1)
     out = torch.empty_like(query)
     lse_dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
     lse = query.new_empty((query.size(1), query.size(0)), dtype=lse_dtype)

@@ -199,3 +199,19 @@ def test_meta_device_vector_with_real_query(name):
     q = torch.randn(1, 2, 4, 8)
     with pytest.raises(RuntimeError, match=f"flashcore: {name} is on meta but query is on cpu"):
         flashcore.attention(q, q, q, **{name: torch.zeros(2, device="meta")})
+
+
+@pytest.mark.parametrize("case", ["heads", "head_dim", "dtype", "batch"])
+def test_fake_kernel_checks_shapes(case):
+    """On the meta device (and under torch.compile's fake tensors) a bad call fails with the C++ checks' message,
+    not later at run time."""
+    m = lambda *s, dtype=torch.float32: torch.empty(*s, device="meta", dtype=dtype)  # noqa: E731
+    args, match = {
+        "heads": ((m(1, 3, 5, 8), m(1, 2, 5, 8), m(1, 2, 5, 8)), r"multiple of key/value heads"),
+        "head_dim": ((m(1, 2, 5, 8), m(1, 2, 5, 8), m(1, 2, 5, 4)), r"value head_dim 4"),
+        "dtype": ((m(1, 2, 5, 8), m(1, 2, 5, 8, dtype=torch.float16), m(1, 2, 5, 8)), r"key has dtype"),
+        "batch": ((m(1, 2, 5, 8), m(2, 2, 5, 8), m(2, 2, 5, 8)), r"key batch size 2"),
+    }[case]
+    with pytest.raises(RuntimeError, match=match):
+        torch.ops.flashcore.fwd(*args, 0.3)
+
