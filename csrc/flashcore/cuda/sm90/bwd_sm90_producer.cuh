@@ -58,9 +58,6 @@ __device__ __forceinline__ void produce_bwd(const BwdBlock& blk, const BwdShared
   }
 }
 
-// The dQ writer (one thread of the producer warpgroup's second warp): per step, dQ chunk and consumer warpgroup,
-// once the warpgroup's 4 warps have staged their dQ (dq_full), adds the staging tile (32-column boxes) to the
-// fp32 accumulator with TMA reductions, and releases the tile (dq_empty) once TMA has read it.
 // The deterministic flag of the dense accumulator tile at `row` (in the dQ writer's units): (batch, head) pair
 // times the query tiles a head, plus the tile, since a head's accumulator rows are its query tiles' (padded).
 template <typename Traits>
@@ -69,6 +66,9 @@ __device__ __forceinline__ int* dq_turn(const BwdParams& p, int row) {
   return p.dq_turns + (int64_t)row * kUnit / Traits::kBlockM;
 }
 
+// The dQ writer (one thread of the producer warpgroup's second warp): per step, dQ chunk and consumer warpgroup,
+// once the warpgroup's 4 warps have staged their dQ (dq_full), adds the staging tile (32-column boxes) to the
+// fp32 accumulator with TMA reductions, and releases the tile (dq_empty) once TMA has read it.
 // Fragment order (Traits::kDqFragmentOrder): each warpgroup's staged share is contiguous in the accumulator, one
 // bulk reduction without a tensor map (dq_accum: the accumulator's base).
 // Deterministic (p.dq_turns, dense kernels): the key blocks that visit a query tile add to it in descending
