@@ -25,7 +25,7 @@ from typing import Optional
 
 import torch
 
-from .ops import _check_tensor, float_arg, pad_head_dim, window_pair
+from .ops import _check_tensor, float_arg, maybe_contiguous, pad_head_dim, window_pair
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
@@ -37,12 +37,6 @@ _bwd_op = torch.ops.flashcore.bwd.default
 _varlen_fwd_op = torch.ops.flashcore.varlen_fwd.default
 _varlen_bwd_op = torch.ops.flashcore.varlen_bwd.default
 _kvcache_fwd_op = torch.ops.flashcore.kvcache_fwd.default
-
-
-def maybe_contiguous(x):
-    """x with a contiguous last dimension (a copy only where it has none), as flash-attn's helper of that name: its
-    functions accept inputs of any strides."""
-    return x.contiguous() if x is not None and x.stride(-1) != 1 else x
 
 
 def _flash_window(left, right, causal, seqlen_q, seqlen_k, fn):

@@ -148,6 +148,12 @@ def float_arg(value, name, fn, default=None, float32=False) -> float:
     return out
 
 
+def maybe_contiguous(x):
+    """x with a contiguous last dimension (a copy only where it has none), as flash-attn's helper of that name: the
+    kernels read unit-stride rows, the Python entry points accept any strides."""
+    return x.contiguous() if x is not None and x.dim() > 0 and x.stride(-1) != 1 else x
+
+
 def _float32_vector(t):
     """sinks / alibi_slopes of another float dtype (a model.double()) as the float32 the op takes."""
     return t.float() if t is not None and t.dtype != torch.float32 and t.is_floating_point() else t
@@ -245,10 +251,11 @@ def attention(
                              for t in (query, key, value))
     if torch._C._is_any_autocast_enabled():  # one cheap call on the common path (host time bounds small calls)
         query, key, value = _autocast(query, key, value)
-    # The kernels read unit-stride rows (flash-attn's maybe_contiguous); a value head dim other than query's (SDPA
-    # allows it) runs zero-padded to the larger one: zeros add nothing to q.k, padded value columns are cropped.
+    # Strided rows are copied (maybe_contiguous; tested once on the common path); a value head dim other than
+    # query's (SDPA allows it) runs zero-padded to the larger one: zeros add nothing to q.k, padded value columns are
+    # cropped.
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
-        query, key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+        query, key, value = maybe_contiguous(query), maybe_contiguous(key), maybe_contiguous(value)
     qk_dim, v_dim = query.size(-1), value.size(-1)
     if v_dim < qk_dim:
         value = torch.nn.functional.pad(value, (0, qk_dim - v_dim))
@@ -315,7 +322,7 @@ def varlen_attention(
                     (cu_seqlens_k, "cu_seqlens_k")):
         _check_tensor(t, name, fn)
     query, key, value = _autocast(query, key, value)
-    query, key, value = (t if t.dim() == 0 or t.stride(-1) == 1 else t.contiguous() for t in (query, key, value))
+    query, key, value = maybe_contiguous(query), maybe_contiguous(key), maybe_contiguous(value)
     sinks, alibi_slopes = _float32_vector(sinks), _float32_vector(alibi_slopes)
     left, right = window_pair(window_size, fn)
     if scale is None:
