@@ -66,6 +66,12 @@ struct Band {
     return r;
   }
 
+  // Query tiles of `block_m` rows that see some key of [c0, c1): the steps of a backward key block. One function for
+  // every caller, since the deterministic backward's turn order relies on blocks agreeing on it.
+  FLASHCORE_HOST_DEVICE IndexRange query_tiles_of_keys(int64_t c0, int64_t c1, int64_t seqlen_q, int block_m) const {
+    return tiles(queries_of_keys(c0, c1, seqlen_q), block_m);
+  }
+
   // Tiles of `block` indices that cover a range: [floor(begin / block), ceil(end / block)).
   FLASHCORE_HOST_DEVICE static IndexRange tiles(const IndexRange& r, int block) {
     IndexRange t;

@@ -130,7 +130,7 @@ void bwd_impl(const BwdParams& p, c10::ScalarType acc_dtype) {
         std::fill(dv_acc, dv_acc + keys * Dp, T(0));
 
         // Query blocks that see no key of this block (the mask's band) are skipped.
-        const IndexRange query_tiles = Band::tiles(band.queries_of_keys(j0, j0 + keys, seq.seqlen_q), kQueryBlock);
+        const IndexRange query_tiles = band.query_tiles_of_keys(j0, j0 + keys, seq.seqlen_q, kQueryBlock);
         for (int64_t h = hk * p.group; h < (hk + 1) * p.group; ++h) {
           const int64_t r0 = p.row_index(seq, b, h);
           const S* q = static_cast<const S*>(p.q) + b * p.q_stride.batch + h * p.q_stride.head +

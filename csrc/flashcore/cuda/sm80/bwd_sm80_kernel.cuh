@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
   const Band seq_band = p.band_of(seq);
   const Band& band = kVarlen ? seq_band : p.band;
   const IndexRange m_tiles =
-      Band::tiles(band.queries_of_keys(n0, (int64_t)n0 + kBlockN, seqlen_q), kBlockM);
+      band.query_tiles_of_keys(n0, (int64_t)n0 + kBlockN, seqlen_q, kBlockM);
   const int m_begin = (int)m_tiles.begin;
   const int m_count = (int)m_tiles.size();
   const TileRange unmasked = band.unmasked_query_tiles(n0, kBlockN, kBlockM);  // query tiles the mask can skip
@@ -240,7 +240,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     if (ordered) {
       turn = p.dq_turns + (b * p.heads_q + h) * (dq_rows_per_head / kBlockM) + m_block;
       const IndexRange next =
-          Band::tiles(band.queries_of_keys((int64_t)n0 + kBlockN, (int64_t)n0 + 2 * kBlockN, seqlen_q), kBlockM);
+          band.query_tiles_of_keys((int64_t)n0 + kBlockN, (int64_t)n0 + 2 * kBlockN, seqlen_q, kBlockM);
       if (tid == 0 && m_block >= next.begin && m_block < next.end) ptx::wait_until_equal(turn, n_block + 2);
       __syncthreads();
     }

@@ -107,7 +107,7 @@ __device__ __forceinline__ void write_dq_bwd(const BwdParams& p, const BwdBlock&
     if (ordered) {
       const int64_t next0 = blk.n0 + Traits::kBlockN;
       const IndexRange next =
-          Band::tiles(p.band.queries_of_keys(next0, next0 + Traits::kBlockN, p.seqlen_q), kBlockM);
+          p.band.query_tiles_of_keys(next0, next0 + Traits::kBlockN, p.seqlen_q, kBlockM);
       smem.next_tiles[0] = (int)next.begin;
       smem.next_tiles[1] = (int)next.end;
     }

@@ -261,7 +261,7 @@ __device__ __forceinline__ BwdBlock varlen_bwd_block(const BwdParams& p, int num
   blk.seqlen_k = in_grid ? (int)seq.seqlen_k : 0;
   blk.band = p.band_of(seq);
   const IndexRange m_tiles =
-      Band::tiles(blk.band.queries_of_keys(blk.n0, (int64_t)blk.n0 + kBlockN, seq.seqlen_q), kBlockM);
+      blk.band.query_tiles_of_keys(blk.n0, (int64_t)blk.n0 + kBlockN, seq.seqlen_q, kBlockM);
   blk.m_begin = (int)m_tiles.begin;
   blk.m_count = (int)m_tiles.size();
   blk.steps = (int)(p.group * blk.m_count);
@@ -285,7 +285,7 @@ __device__ __forceinline__ BwdBlock bwd_block(const BwdParams& p, int num_n_bloc
   blk.n0 = blk.n_block * kBlockN;
   // The query blocks that see some key of the block (the mask's band).
   const IndexRange m_tiles =
-      Band::tiles(p.band.queries_of_keys(blk.n0, (int64_t)blk.n0 + kBlockN, p.seqlen_q), kBlockM);
+      p.band.query_tiles_of_keys(blk.n0, (int64_t)blk.n0 + kBlockN, p.seqlen_q, kBlockM);
   blk.m_begin = (int)m_tiles.begin;
   blk.m_count = (int)m_tiles.size();
   blk.steps = (int)(p.group * blk.m_count);
