@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import flashcore
-from conftest import (assert_ran, check_close, check_lse, cuda_skip_reason, lowp_attention, make_generator, randn,
-                      reference_attention)
+from conftest import (assert_ran, check_close, check_lse, cuda_skip_reason, gpu_families, lowp_attention,
+                      make_generator, randn, reference_attention)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")]
 
@@ -60,18 +60,32 @@ def test_forward_grid(request, family, dtype, head_dim, shape, mask):
 
 
 # The sm90 launcher picks the block height (64 rows per consumer warpgroup) from the grid size: the fewest
-# warpgroups whose grid fits in one wave of the GPU's SMs, else the configured width. Every SHAPES entry runs
-# 64-row blocks; 4x40x333 runs the configured (wide) blocks on any GPU with up to 160 SMs; 1x12x1000 (96 or 192
-# blocks of 128 or 64 rows) runs the two-warpgroup variant of head dim 64 on a 132-SM H100. The persistent sm90
+# warpgroups whose grid fits in one wave of the GPU's SMs, else the configured width, or without a mask the mid
+# width where its waves come out fewer. Every SHAPES entry runs 64-row blocks; 4x40x333 runs the configured (wide)
+# blocks on any GPU with up to 160 SMs; 1x12x1000 (96 or 192 blocks of 128 or 64 rows) runs the two-warpgroup
+# variant of head dim 64 on a 132-SM H100, and so does 1x8x3100 unmasked (136 blocks of 192 rows in 2 waves
+# against 200 of 128), its masked calls the wide one. The persistent sm90
 # grid has one block per SM, so the large shapes give each block several tiles; 600 queries on 300 keys with the
 # bottom-right mask interleave tiles that see no key at all (n_blocks == 0) with full ones.
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
-@pytest.mark.parametrize("shape", [(4, 40, 8, 333, 517), (1, 12, 4, 1000, 1000), (4, 40, 40, 600, 300)],
-                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("shape", [(4, 40, 8, 333, 517), (1, 12, 4, 1000, 1000), (4, 40, 40, 600, 300),
+                                   (1, 8, 4, 3100, 3100)], ids=lambda s: "x".join(map(str, s)))
 def test_forward_block_heights(request, family, dtype, head_dim, mask, shape):
     check_forward(*random_qkv(request, shape, head_dim, dtype, "bshd", "bhsd"), mask, family)
+
+
+@pytest.mark.parametrize("warpgroups", [1, 2, 3])
+def test_forward_forced_block_height(request, monkeypatch, warpgroups):
+    """FLASHCORE_FWD_WARPGROUPS=n (the A/B of the launcher's block height) runs blocks of n warpgroups, at most
+    the head dim's configured width (3 at head dim 64), and each is exact."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the block height is the sm90 forward's (compute capability 9.0)")
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", "sm90")
+    monkeypatch.setenv("FLASHCORE_FWD_WARPGROUPS", str(warpgroups))
+    check_forward(*random_qkv(request, (1, 8, 4, 700, 900), 64, torch.bfloat16, "bshd", "bhsd"), "none", "sm90")
+    assert f" wg{warpgroups}" in flashcore.last_kernel("fwd")
 
 
 # Long key sequences: the sm90 launcher switches unmasked head-dim-128 calls to wider key tiles from

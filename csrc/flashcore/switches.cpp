@@ -30,6 +30,14 @@ int key_split_cap() {
   return n;
 }
 
+int fwd_warpgroups_forced() {
+  const char* v = env("FLASHCORE_FWD_WARPGROUPS");
+  if (v == nullptr) return 0;
+  const int n = std::atoi(v);
+  TORCH_CHECK(n >= 1 && n <= 3, "flashcore: FLASHCORE_FWD_WARPGROUPS must be 1, 2 or 3, got '", v, "'");
+  return n;
+}
+
 bool pdl_allowed() {
   const char* v = env("FLASHCORE_PDL");
   return v == nullptr || std::strcmp(v, "0") != 0;

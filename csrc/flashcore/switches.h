@@ -3,6 +3,8 @@
 //   FLASHCORE_FORCE_KERNEL=sm80|sm90            forward kernel family (CUDA)
 //   FLASHCORE_FORCE_BWD=composite|sm80|sm90     backward path (CUDA)
 //   FLASHCORE_KEY_SPLITS=n                      at most n blocks per query tile in the sm90 key split (1: none)
+//   FLASHCORE_FWD_WARPGROUPS=n                  consumer warpgroups a block in the sm90 forward's plain kernels (1 to
+//                                               the head dim's widest; A/B of pick_consumer_warpgroups)
 //   FLASHCORE_PDL=0                             no programmatic dependent launch
 //   FLASHCORE_CPU_ISA=portable                  the CPU kernels' baseline code instead of AVX2 (read once a process)
 //   FLASHCORE_POISON=1                          fill outputs and workspaces with NaN before the kernels run, so a
@@ -33,6 +35,7 @@ namespace flashcore {
 std::string forced_fwd_family();  // "" when not forced
 std::string forced_bwd_path();    // "" when not forced
 int key_split_cap();              // 0 when not capped; throws on a malformed value
+int fwd_warpgroups_forced();      // 0 when not forced; throws on a malformed value
 bool pdl_allowed();
 bool poison_outputs();
 bool cpu_isa_forced_portable();

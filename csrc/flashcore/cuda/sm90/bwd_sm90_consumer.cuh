@@ -382,8 +382,11 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     float next_stat[BwdRowStats<Traits>::kPer];
     if (step + 1 < blk.steps) row_stats.load(cursor.next(), next_stat);
     const float* stats = row_stats.buffer(step & 1);
-    // Preloaded where registers allow (64-row steps); 128-row steps hold twice the S^T and dP^T registers.
-    constexpr bool kPreload = kBlockM == 64;
+    // The lse loaded before the wait for S^T where registers allow (64- and 80-row steps), so that its latency
+    // (ncu: short-scoreboard stalls on the exp2 FFMAs, ~5 % of the 80-row kernel's samples when loaded after it)
+    // runs under the GEMM; 128-row steps hold too many S^T and dP^T registers, and dsum, loaded before its wait,
+    // made the 80-row kernels spill 20-28 B.
+    constexpr bool kPreload = kBlockM <= 80;
     float2 lse[kQTiles], dsum_q[kQTiles];
     if constexpr (kPreload) load_query_pairs<kQTiles>(stats, 0, t, lse);
     ptx::wgmma_wait<1>();

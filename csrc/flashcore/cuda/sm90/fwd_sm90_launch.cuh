@@ -139,12 +139,24 @@ void launch_fwd_tiles(const FwdParams& p, int num_sms, cudaStream_t stream) {
 
 // A block's time per K/V tile grows with its query rows: its warpgroups share one SM's tensor cores and SFU
 // (exp2). When the configured (wide) blocks cannot fill the GPU, blocks of fewer warpgroups spread the same rows
-// over more SMs. Taken: the fewest warpgroups whose grid still fits in one wave; if none, the wide blocks.
-// (1x8x512x64 fp16 on H100: 10.1 us with 192-row blocks, 6.6 us in a graph with 64-row ones; docs/PERFORMANCE.md.)
-inline int pick_consumer_warpgroups(const FwdParams& p, int wide, int num_sms) {
+// over more SMs. Taken: the fewest warpgroups whose grid still fits in one wave (1x8x512x64 fp16 on H100: 10.1 us
+// with 192-row blocks, 6.6 us in a graph with 64-row ones). If none does and no mask makes the blocks' work
+// unequal, the blocks run in waves of num_sms, and the wide grid's last, partial wave can cost more than the mid
+// width's lower rate (a mid-width row costs kMidRowCost wide-block rows): the mid width where its waves times rows
+// come out fewer (1x8x4096x64: 176 blocks of 192 rows in 2 waves against 256 of 128 in 2). docs/PERFORMANCE.md
+// has both measurements. FLASHCORE_FWD_WARPGROUPS=n forces n (at most the wide width; switches.h).
+constexpr double kMidRowCost = 1.2;
+
+inline int pick_consumer_warpgroups(const FwdParams& p, int wide, int mid, int num_sms) {
+  if (const int n = fwd_warpgroups_forced(); n > 0) return n < wide ? n : wide;
   const int64_t bh = p.batch * p.heads_q;
+  auto blocks = [&](int w) { return bh * ((p.seqlen_q + 64 * w - 1) / (64 * w)); };
   for (int w = 1; w < wide; ++w) {
-    if (bh * ((p.seqlen_q + 64 * w - 1) / (64 * w)) <= num_sms) return w;
+    if (blocks(w) <= num_sms) return w;
+  }
+  if (mid < wide && !p.mask.banded()) {
+    const int64_t waves_wide = (blocks(wide) + num_sms - 1) / num_sms, waves_mid = (blocks(mid) + num_sms - 1) / num_sms;
+    if ((double)(waves_mid * mid) * kMidRowCost < (double)(waves_wide * wide)) return mid;
   }
   return wide;
 }
@@ -214,7 +226,7 @@ void launch_fwd(const FwdParams& p, cudaStream_t stream) {
   constexpr int kWide = FwdSm90Config<kHeadDim>::kWarpgroups;
   constexpr int kMid = kWide > 2 ? 2 : kWide;  // a third variant only where the wide block has 3 warpgroups
   const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int w = pick_consumer_warpgroups(p, kWide, num_sms);
+  const int w = pick_consumer_warpgroups(p, kWide, kMid, num_sms);
   if constexpr (kScoreMod) {
     if (w == 1)
       launch_fwd_tiles<FwdSm90Traits<kHeadDim, Element, 1, FwdSm90Config<kHeadDim>::kBlockN, false, true>>(
