@@ -155,8 +155,8 @@ inline int pick_consumer_warpgroups(const FwdParams& p, int wide, int mid, int n
     if (blocks(w) <= num_sms) return w;
   }
   if (mid < wide && !p.mask.banded()) {
-    const int64_t waves_wide = (blocks(wide) + num_sms - 1) / num_sms, waves_mid = (blocks(mid) + num_sms - 1) / num_sms;
-    if ((double)(waves_mid * mid) * kMidRowCost < (double)(waves_wide * wide)) return mid;
+    auto waves = [&](int w) { return (blocks(w) + num_sms - 1) / num_sms; };
+    if ((double)(waves(mid) * mid) * kMidRowCost < (double)(waves(wide) * wide)) return mid;
   }
   return wide;
 }
@@ -184,8 +184,9 @@ void launch_fwd_width(const FwdParams& p, int num_sms, cudaStream_t stream) {
 
 // A variable-length batch (seqlen.h): the configured width's plain or score-mod variant built for varlen, one block
 // per (sequence, head, query tile) over max_seqlen_q (p.seqlen_q) rows, no key split, the batch in its given order
-// (the backward's launch schedule measured 3 % slower here: docs/PERFORMANCE.md). The descriptors cover the packed tensors as one (1, heads, total, dim) entry each; the dispatcher checks
-// that TMA can describe them (tma_compatible with batch 1).
+// (the backward's launch schedule measured 3 % slower here: docs/PERFORMANCE.md). The descriptors cover the packed
+// tensors as one (1, heads, total, dim) entry each; the dispatcher checks that TMA can describe them
+// (tma_compatible with batch 1).
 template <int kHeadDim, typename Element, bool kScoreMod>
 void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   using Config = FwdSm90Config<kHeadDim>;
