@@ -149,6 +149,17 @@ SHAPE_LISTS: dict[str, list[Shape]] = {
         _one(1, 8, 128, 64, "fp16", False),
         _one(1, 32, 1024, 128, "fp16", False),
     ],
+    # grids of one to three waves of blocks on a 132-SM H100, where the forward's block height (rows a block)
+    # decides how full the last wave is (fwd_sm90_launch.cuh, pick_consumer_warpgroups)
+    "mid": [
+        _one(1, 8, 4096, 64, "bf16", False),
+        _one(1, 4, 8192, 64, "fp16", False),
+        _one(1, 12, 4096, 64, "fp16", False),
+        _one(1, 8, 4096, 64, "fp16", True),
+        _one(1, 8, 4096, 96, "fp16", False),
+        _one(1, 8, 4096, 128, "fp16", False),
+        _one(2, 8, 4096, 128, "bf16", True),
+    ],
     # /work/shared/anchors-h100.md: the long shapes of the first table, then head dims 96/256 and GQA 32/8
     "anchors": [
         _one(16, 16, 2048, 64, "fp16", False),
