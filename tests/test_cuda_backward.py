@@ -202,8 +202,8 @@ DETERMINISTIC_CASES = {  # (B, Hq, Hkv, Sq, Sk, D, dtype, causal, kwargs)
 @pytest.mark.parametrize("case", list(DETERMINISTIC_CASES))
 def test_backward_deterministic_fused(request, monkeypatch, path, case):
     """deterministic=True on the fused kernels (dQ additions in key-block order, BwdParams::dq_turns): on the Hopper
-    kernel every head-dim tile and dQ split (80-row fragment order, 64-row by columns, by rows, by keys, head dim
-    256's chunks), on the mma.sync kernel its atomics; GQA, causal with Sq != Sk, a window, softcap: bitwise-identical
+    kernel every head-dim tile and dQ split (80-row fragment order at head dim 128, 80-row rows at 96, 64-row by
+    columns, by rows, by keys, head dim 256's chunks), on the mma.sync kernel its atomics; GQA, causal with Sq != Sk, a window, softcap: bitwise-identical
     gradients over three runs (the order of the blocks on the GPU varies run to run), within the rule against
     float64."""
     if path not in gpu_families():

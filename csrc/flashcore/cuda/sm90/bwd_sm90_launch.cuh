@@ -163,13 +163,16 @@ void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, c
 }
 
 // What the entry's dense wide-step kernel leaves in dq_accum (BwdKernelEntry::wide_dq_accum): kTileCols columns
-// in tiles of its kBlockM rows, each in the kernel's fragment order (common/dq_fragment_order.cuh).
+// in tiles of its kBlockM rows, each in the kernel's fragment order (common/dq_fragment_order.cuh); head dim 96's
+// (no fragment order, BwdSm90Traits::kDqFragmentOrder) rows of exactly head_dim columns, as the other kernels'.
 template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr cuda::DqAccumLayout bwd_wide_dq_accum() {
   if constexpr (has_wide_steps<kHeadDim, kScoreMod>()) {
     using Traits = BwdSm90Traits<kHeadDim, Element, false, false, true>;
-    static_assert(Traits::kDqFragmentOrder);
-    return {/*cols_exact=*/false, /*unscaled=*/true, /*fragment_rows=*/Traits::kBlockM};
+    if constexpr (Traits::kDqFragmentOrder)
+      return {/*cols_exact=*/false, /*unscaled=*/true, /*fragment_rows=*/Traits::kBlockM};
+    else
+      return kBwdDqAccum;
   } else {
     return kBwdDqAccum;
   }

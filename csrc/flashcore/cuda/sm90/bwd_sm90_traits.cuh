@@ -107,8 +107,11 @@ struct BwdSm90Traits {
   static constexpr bool kDqRowsInterleaved = !kDqTransposed && !kVarlen;
   // Dense transposed dQ (80-row steps) is staged and accumulated in its fragment order (common/dq_fragment_order.cuh):
   // float4 stores instead of scalar ones, and one bulk reduction a warpgroup and step, no tensor map; the post-pass
-  // un-permutes. Varlen keeps rows: its tiles start at any row of the packed accumulator.
-  static constexpr bool kDqFragmentOrder = kDqTransposed && !kVarlen;
+  // un-permutes. Varlen keeps rows: its tiles start at any row of the packed accumulator. So does head dim 96: a
+  // fragment-ordered tile holds all 128 columns of the shared-memory tile (an fp32 accumulator 11 % above cuDNN's
+  // peak memory at 4x16x8192x96), where the row layout's TMA reductions drop the columns past head_dim; the two
+  // measured alike in speed (docs/PERFORMANCE.md).
+  static constexpr bool kDqFragmentOrder = kDqTransposed && !kVarlen && kHeadDim == kTileCols;
   static_assert(!kDqFragmentOrder || kTileCols == 128, "fragment-ordered tiles are 128 columns wide");
   static constexpr uint32_t kDqWgBytes = kDqRows * kDqCols * 4;
   // Split keys, the warpgroups never read each other's shared memory in a step: each stages its own copy of the
