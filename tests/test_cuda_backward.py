@@ -203,9 +203,9 @@ DETERMINISTIC_CASES = {  # (B, Hq, Hkv, Sq, Sk, D, dtype, causal, kwargs)
 def test_backward_deterministic_fused(request, monkeypatch, path, case):
     """deterministic=True on the fused kernels (dQ additions in key-block order, BwdParams::dq_turns): on the Hopper
     kernel every head-dim tile and dQ split (80-row fragment order at head dim 128, 80-row rows at 96, 64-row by
-    columns, by rows, by keys, head dim 256's chunks), on the mma.sync kernel its atomics; GQA, causal with Sq != Sk, a window, softcap: bitwise-identical
-    gradients over three runs (the order of the blocks on the GPU varies run to run), within the rule against
-    float64."""
+    columns, by rows, by keys, head dim 256's chunks), on the mma.sync kernel its atomics; GQA, causal with
+    Sq != Sk, a window, softcap: bitwise-identical gradients over three runs (the order of the blocks on the GPU
+    varies run to run), within the rule against float64."""
     if path not in gpu_families():
         pytest.skip(f"no {path} kernels on this GPU")
     monkeypatch.setenv("FLASHCORE_FORCE_BWD", path)
@@ -275,9 +275,9 @@ def test_backward_peak_memory_scales_with_head_dim(monkeypatch):
     """The fused backward's fp32 dQ accumulator holds head_dim columns (the fragment-ordered tiles of head dim 128's
     80-row steps hold exactly 128): the memory a forward+backward adds at head dim 96 is 96/128 of head dim 128's,
     up to the per-row lse/dsum. Head dim 96 once accumulated in 128-column fragment tiles (0.83 here by the sizes of
-    the buffers, and 11 % above cuDNN's peak at 4x16x8192x96); rows of 96 columns measure 0.75 (19.1 against 25.4 MB
-    on an H100). Each head dim runs once unmeasured first, so
-    one-time allocations (workspaces, descriptors) stay out of the peak."""
+    the buffers, and 11 % above cuDNN's peak at 4x16x8192x96); rows of 96 columns measure 0.75 (19.1 against
+    25.4 MB on an H100). Each head dim runs once unmeasured first, so that one-time allocations (workspaces,
+    descriptors) stay out of the peak."""
     monkeypatch.delenv("FLASHCORE_FORCE_BWD", raising=False)
     monkeypatch.delenv("FLASHCORE_BWD_WIDE_STEPS", raising=False)
     g = torch.Generator(device=DEV).manual_seed(7)

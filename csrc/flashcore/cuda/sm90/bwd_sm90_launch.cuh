@@ -167,15 +167,12 @@ void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, c
 // (no fragment order, BwdSm90Traits::kDqFragmentOrder) rows of exactly head_dim columns, as the other kernels'.
 template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr cuda::DqAccumLayout bwd_wide_dq_accum() {
-  if constexpr (has_wide_steps<kHeadDim, kScoreMod>()) {
+  if constexpr (has_wide_steps<kHeadDim, kScoreMod>()) {  // the traits exist only for head dims with wide steps
     using Traits = BwdSm90Traits<kHeadDim, Element, false, false, true>;
     if constexpr (Traits::kDqFragmentOrder)
       return {/*cols_exact=*/false, /*unscaled=*/true, /*fragment_rows=*/Traits::kBlockM};
-    else
-      return kBwdDqAccum;
-  } else {
-    return kBwdDqAccum;
   }
+  return kBwdDqAccum;
 }
 
 // The entry's wide-step launcher, dense (BwdKernelEntry::launch_wide) or varlen (launch_varlen_wide), or nullptr.
