@@ -69,6 +69,22 @@ def _scale(softmax_scale, head_dim, fn):
     return float_arg(softmax_scale, "softmax_scale", fn)
 
 
+class CacheCapacityError(ValueError, RuntimeError):
+    """New tokens that do not fit a KV cache (or the pages a block_table addresses) at an int cache_seqlens: a
+    ValueError as flashcore's argument checks raise, and a RuntimeError as flash-attn's (a TORCH_CHECK)."""
+
+
+def _no_dropout_mask(q):
+    """What flash-attn returns as S_dmask without dropout: an empty tensor of q's dtype (its kernels fill one only
+    for dropout_p > 0)."""
+    return q.new_empty((0,))
+
+
+def _rng_state(q):
+    """flash-attn's rng_state: a (2,) int64 tensor (Philox seed and offset), zeros here (no dropout)."""
+    return torch.zeros(2, dtype=torch.int64, device=q.device)
+
+
 def _check_dropout(dropout_p, fn):
     if dropout_p:
         raise NotImplementedError(f"{fn}: dropout_p={dropout_p} is not supported (flashcore has no dropout); "
@@ -93,14 +109,14 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     out = out.transpose(1, 2)
     if out.size(-1) != head_dim:
         out = out[..., :head_dim]
-    return (out, lse, None) if return_attn_probs else out
+    return (out, lse, _no_dropout_mask(q)) if return_attn_probs else out
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
                     alibi_slopes=None, deterministic=False, return_attn_probs=False):
     """q (batch, seqlen_q, nheads, headdim), k and v (batch, seqlen_k, nheads_k, headdim) with nheads a multiple
-    of nheads_k (MQA/GQA). Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, None) with
-    return_attn_probs=True (flash-attn returns the dropout pattern third, which needs dropout)."""
+    of nheads_k (MQA/GQA). Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse, S_dmask) with
+    return_attn_probs=True; S_dmask is empty (flash-attn's dropout pattern, which needs dropout)."""
     return _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs, "flash_attn_func")
 
@@ -157,7 +173,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                               sinks, alibi_slopes, seqused_k)
     if out.size(-1) != head_dim:
         out = out[..., :head_dim]
-    return (out, lse, None) if return_attn_probs else out
+    return (out, lse, _no_dropout_mask(q)) if return_attn_probs else out
 
 
 def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
@@ -190,7 +206,7 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     lse = torch.where(inside[None, :], lse_block[b, :, row].transpose(0, 1), float("-inf"))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         out = _PagedNoBackward.apply(out, q, k_cache, v_cache)
-    return (out, lse, None) if return_attn_probs else out
+    return (out, lse, _no_dropout_mask(q)) if return_attn_probs else out
 
 
 class _PagedNoBackward(torch.autograd.Function):
@@ -314,17 +330,18 @@ class FlashAttnVarlenKVPackedFunc:
 
 # ----------------------------------------------------------------------------------------------------------------
 # flash-attn's lower-level functions, which libraries built on flash-attn call directly (ring attention, context
-# parallelism): the same signatures and returns; the rng state and the dropout mask are None (no dropout here).
+# parallelism): the same signatures and returns (no dropout: S_dmask is empty, rng_state zeros).
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def _flash_attn_forward(q, k, v, dropout_p, softmax_scale, causal, window_size_left, window_size_right, softcap,
                         alibi_slopes, return_softmax):
     """flash-attn 2.x's _flash_attn_forward: q (batch, seqlen_q, nheads, headdim), k/v (batch, seqlen_k, nheads_k,
-    headdim). Returns (out, softmax_lse (batch, nheads, seqlen_q), S_dmask None, rng_state None)."""
+    headdim). Returns (out, softmax_lse (batch, nheads, seqlen_q), S_dmask (an empty tensor: no dropout),
+    rng_state ((2,) int64))."""
     out, lse, _ = _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, (window_size_left, window_size_right),
                                   softcap, alibi_slopes, False, True, "_flash_attn_forward")
-    return out, lse, None, None
+    return out, lse, _no_dropout_mask(q), _rng_state(q)
 
 
 def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p, softmax_scale, causal,
@@ -355,14 +372,17 @@ def _flash_attn_varlen_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q
                                alibi_slopes=None, return_softmax=False, block_table=None, leftpad_k=None,
                                seqused_k=None, zero_tensors=False, num_splits=0):
     """flash-attn 2.x's _flash_attn_varlen_forward: packed (total, nheads, headdim) inputs. Returns (out, softmax_lse
-    (nheads, total_q), S_dmask None, rng_state None)."""
+    (nheads, total_q), S_dmask (an empty tensor: no dropout), rng_state ((2,) int64))."""
     fn = "_flash_attn_varlen_forward"
     if leftpad_k is not None:
         raise NotImplementedError(f"{fn}: leftpad_k is not supported; pass leftpad_k=None")
+    if block_table is not None and num_splits > 1:
+        raise RuntimeError(f"{fn}: num_splits > 1 is not supported for varlen paged KV (block_table); got "
+                           f"num_splits={num_splits}")
     out, lse, _ = _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                           causal, (window_size_left, window_size_right), softcap, alibi_slopes, False, True, fn,
                           block_table=block_table, seqused_k=seqused_k)
-    return out, lse, None, None
+    return out, lse, _no_dropout_mask(q), _rng_state(q)
 
 
 def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_seqlens_q, cu_seqlens_k,
@@ -481,8 +501,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     k, v (batch, seqlen_new, nheads_k, headdim): written into the caches in place at positions cache_seqlens[b] + i
     before the attention (the caller's cache_seqlens is not changed; advance it yourself). With an int
-    cache_seqlens a k/v that does not fit raises; with a tensor nothing is read on the host (no sync: this works
-    under torch.compile and in CUDA graphs) and tokens that would land past the capacity are dropped (the attention
+    cache_seqlens a k/v that does not fit raises (CacheCapacityError: a ValueError, and a RuntimeError as flash-attn
+    raises); with a tensor nothing is read on the host (no sync: this works under torch.compile and in CUDA graphs;
+    flash-attn syncs to check paged calls) and tokens that would land past the capacity are dropped (the attention
     then sees the capacity's keys).
 
     rotary_cos/rotary_sin (seqlen_ro >= capacity, rotary_dim / 2), only with k/v: q and the new k are rotated in
@@ -556,8 +577,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, (int, torch.SymInt)) and not isinstance(cache_seqlens, bool):
         if not 0 <= cache_seqlens <= capacity - Sn:
-            raise ValueError(f"{fn}: cache_seqlens = {cache_seqlens}" + (f" plus {Sn} new tokens (k)" if Sn else "")
-                             + f" does not fit the cache's capacity of {capacity} keys")
+            where = (f"the capacity addressable by block_table ({block_table.size(1)} pages of {k_cache.size(1)})"
+                     if block_table is not None else "the cache's capacity")
+            raise CacheCapacityError(f"{fn}: cache_seqlens = {cache_seqlens}"
+                                     + (f" plus {Sn} new tokens (k)" if Sn else "") + f" does not fit {where}: "
+                                     f"{capacity} keys")
         seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
     elif isinstance(cache_seqlens, torch.Tensor):
         _check_index(cache_seqlens, "cache_seqlens", fn, q)

@@ -104,10 +104,14 @@ def test_lower_level_forward_backward(window):
     q, k, v = (x.requires_grad_() for x in _inputs(2, 37, 29, seed=3))
     scale = 0.2
     out, lse, s_dmask, rng = fai._flash_attn_forward(q, k, v, 0.0, scale, True, *window, 0.0, None, False)
-    want, want_lse, _ = flashcore.flash_attn_func(q, k, v, 0.0, scale, True, window, return_attn_probs=True)
+    want, want_lse, want_s_dmask = flashcore.flash_attn_func(q, k, v, 0.0, scale, True, window,
+                                                             return_attn_probs=True)
     torch.testing.assert_close(out, want, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(lse, want_lse, rtol=1e-12, atol=1e-12)
-    assert s_dmask is None and rng is None
+    # flash-attn's returns without dropout: an empty S_dmask of q's dtype, a (2,) int64 rng_state
+    assert s_dmask.shape == (0,) and s_dmask.dtype == q.dtype
+    assert rng.shape == (2,) and rng.dtype == torch.int64
+    assert want_s_dmask.shape == (0,) and want_s_dmask.dtype == q.dtype
     dout = torch.randn_like(out)
     grads = torch.autograd.grad(want, (q, k, v), dout)
     dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
@@ -122,7 +126,9 @@ def test_lower_level_forward_backward(window):
     cu_q = torch.tensor([0, 37, 74], dtype=torch.int32)
     cu_k = torch.tensor([0, 29, 58], dtype=torch.int32)
     qv, kv_, vv = (x.detach().flatten(0, 1) for x in (q, k, v))
-    out_v, lse_v, _, _ = fai._flash_attn_varlen_forward(qv, kv_, vv, cu_q, cu_k, 37, 29, 0.0, scale, True, *window)
+    out_v, lse_v, s_dmask_v, rng_v = fai._flash_attn_varlen_forward(qv, kv_, vv, cu_q, cu_k, 37, 29, 0.0, scale, True,
+                                                                    *window)
+    assert s_dmask_v.shape == (0,) and rng_v.shape == (2,) and rng_v.dtype == torch.int64
     torch.testing.assert_close(out_v, want.detach().flatten(0, 1), rtol=1e-12, atol=1e-12)
     assert lse_v.shape == (2, 74)
     dq, dk, dv = (torch.empty_like(x) for x in (qv, kv_, vv))
@@ -182,7 +188,7 @@ def test_function_classes_apply_as_flash_attn():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert not fai.FlashAttnFunc.apply(q, k, v, *args, False, False).requires_grad
     out, lse, probs = fai.FlashAttnFunc.apply(q, k, v, *args, True, True)
-    assert lse.shape == (2, 2, 9) and probs is None
+    assert lse.shape == (2, 2, 9) and probs.shape == (0,)
 
     qkv = torch.stack(_inputs(2, 7, 7, H=2, Hk=2), dim=2).requires_grad_()
     out = fai.FlashAttnQKVPackedFunc.apply(qkv, *args, False, True)
@@ -237,3 +243,33 @@ def test_paged_varlen_backward_raises():
     torch.testing.assert_close(out, ref, rtol=0, atol=0)
     with pytest.raises(NotImplementedError, match="block_table"):
         out.sum().backward()
+
+
+def test_paged_varlen_forward_refuses_key_splits():
+    """flash-attn's _flash_attn_varlen_forward refuses num_splits > 1 with a block_table (its paged varlen kernel
+    has no key splits); 0 and 1 run."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(5, 2, D, generator=g)
+    pages = torch.randn(3, 16, 2, D, generator=g)
+    bt = torch.tensor([[2, 0]], dtype=torch.int32)
+    cu_q, cu_k = torch.tensor([0, 5], dtype=torch.int32), torch.tensor([0, 20], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="num_splits"):
+        fai._flash_attn_varlen_forward(q, pages, pages, cu_q, cu_k, 5, 20, 0.0, None, False, block_table=bt,
+                                       num_splits=2)
+    outs = [fai._flash_attn_varlen_forward(q, pages, pages, cu_q, cu_k, 5, 20, 0.0, None, False, block_table=bt,
+                                           num_splits=n)[0] for n in (0, 1)]
+    assert torch.equal(outs[0], outs[1]) and torch.isfinite(outs[0]).all()
+
+
+def test_kvcache_int_lengths_that_do_not_fit_raise_runtime_error():
+    """New tokens past the capacity at an int cache_seqlens raise an error that is a ValueError and, as flash-attn's
+    check, a RuntimeError naming block_table for a paged cache."""
+    g = torch.Generator().manual_seed(6)
+    pages = torch.randn(4, 16, 1, D, generator=g)
+    q, new = torch.randn(1, 1, 1, D, generator=g), torch.randn(1, 1, 1, D, generator=g)
+    bt = torch.tensor([[3, 1]], dtype=torch.int32)
+    for err in (RuntimeError, ValueError):
+        with pytest.raises(err, match="block_table"):
+            fai.flash_attn_with_kvcache(q, pages.clone(), pages.clone(), new, new, cache_seqlens=32, block_table=bt)
+    out = fai.flash_attn_with_kvcache(q, pages.clone(), pages.clone(), new, new, cache_seqlens=31, block_table=bt)
+    assert out.shape == q.shape and torch.isfinite(out).all()

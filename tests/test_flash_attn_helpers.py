@@ -1,0 +1,149 @@
+"""flash-attn's helper modules that attention code imports beside the kernels: flashcore.bert_padding (unpad /
+pad a batch for the varlen functions) and flashcore.layers.rotary (apply_rotary_emb), used the way flash-attn's own
+tests use them. CPU (CI) tests; the helpers are PyTorch ops, the same on every device."""
+
+import pytest
+import torch
+
+import flashcore
+from flashcore.bert_padding import (index_first_axis, index_put_first_axis, pad_input, unpad_input,
+                                    unpad_input_for_concatenated_sequences)
+from flashcore.layers.rotary import apply_rotary_emb, apply_rotary_emb_func, apply_rotary_emb_torch
+
+
+def _mask(lengths, seqlen, left=False):
+    """(batch, seqlen) bool mask with lengths[b] tokens, at the start (right padding) or the end (left padding)."""
+    pos = torch.arange(seqlen)
+    lens = torch.tensor(lengths)[:, None]
+    return pos >= seqlen - lens if left else pos < lens
+
+
+@pytest.mark.parametrize("left", [False, True], ids=["right_pad", "left_pad"])
+def test_unpad_pad_round_trip(left):
+    g = torch.Generator().manual_seed(0)
+    lengths, seqlen = [5, 0, 8, 3], 8
+    x = torch.randn(4, seqlen, 3, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    mask = _mask(lengths, seqlen, left)
+    x_unpad, indices, cu_seqlens, max_seqlen, seqused = unpad_input(x, mask)
+    assert x_unpad.shape == (sum(lengths), 3, 6)
+    assert cu_seqlens.dtype == torch.int32 and cu_seqlens.tolist() == [0, 5, 5, 13, 16]
+    assert max_seqlen == 8 and isinstance(max_seqlen, int)
+    assert seqused.dtype == torch.int32 and seqused.tolist() == lengths
+    torch.testing.assert_close(x_unpad, x[mask], rtol=0, atol=0)
+    back = pad_input(x_unpad, indices, 4, seqlen)
+    assert back.shape == x.shape
+    torch.testing.assert_close(back, torch.where(mask[..., None, None], x, 0.0), rtol=0, atol=0)
+    # gradients flow through both directions: d(sum(pad(unpad(x)) * w)) / dx = w on tokens, 0 on padding
+    w = torch.randn(back.shape, generator=g, dtype=torch.float64)
+    (grad,) = torch.autograd.grad((back * w).sum(), x)
+    torch.testing.assert_close(grad, torch.where(mask[..., None, None], w, 0.0), rtol=0, atol=0)
+    assert torch.equal(index_first_axis(x.flatten(0, 1), indices), x_unpad)
+    assert torch.equal(index_put_first_axis(x_unpad, indices, 4 * seqlen).unflatten(0, (4, seqlen)), back)
+
+
+def test_unpad_input_with_unused_tokens():
+    """unused_mask: tokens allocated but unused stay in the packed rows (cu_seqlens counts them), seqused does
+    not, as flash-attn's unpad_input returns them for seqused_k."""
+    mask = _mask([3, 2], 6)
+    unused = torch.zeros(2, 6, dtype=torch.bool)
+    unused[0, 3], unused[1, 2:4] = True, True
+    x = torch.arange(12.0).reshape(2, 6, 1)
+    x_unpad, indices, cu_seqlens, max_seqlen, seqused = unpad_input(x, mask, unused)
+    assert cu_seqlens.tolist() == [0, 4, 8] and seqused.tolist() == [3, 2] and max_seqlen == 4
+    assert x_unpad.flatten().tolist() == [0, 1, 2, 3, 6, 7, 8, 9]
+
+
+def test_unpad_input_for_concatenated_sequences():
+    """flash-attn's docstring example: rows holding several samples each become one sequence per sample."""
+    lengths = torch.tensor([[2, 3, 0, 0, 0, 0], [3, 2, 0, 0, 0, 0], [6, 0, 0, 0, 0, 0]])
+    x = torch.arange(18.0).reshape(3, 6, 1)
+    x_unpad, indices, cu_seqlens, max_seqlen = unpad_input_for_concatenated_sequences(x, lengths)
+    assert cu_seqlens.tolist() == [0, 2, 5, 8, 10, 16] and max_seqlen == 6
+    assert x_unpad.flatten().tolist() == [0, 1, 2, 3, 4, 6, 7, 8, 9, 10, 12, 13, 14, 15, 16, 17]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_padded_batch_through_varlen_matches_dense(causal):
+    """flash-attn's pattern for a padded batch: unpad q/k/v with the key padding mask, run the varlen function,
+    pad the output back; each sequence equals the dense function on its tokens alone."""
+    g = torch.Generator().manual_seed(1)
+    lengths, seqlen, H, D = [7, 2, 11], 11, 2, 16
+    q, k, v = (torch.randn(3, seqlen, H, D, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = _mask(lengths, seqlen)
+    q_u, idx, cu, max_s, _ = unpad_input(q, mask)
+    k_u, v_u = unpad_input(k, mask)[0], unpad_input(v, mask)[0]
+    out_u = flashcore.flash_attn_varlen_func(q_u, k_u, v_u, cu, cu, max_s, max_s, causal=causal)
+    out = pad_input(out_u, idx, 3, seqlen)
+    for b, n in enumerate(lengths):
+        want = flashcore.flash_attn_func(q[b:b + 1, :n], k[b:b + 1, :n], v[b:b + 1, :n], causal=causal)
+        torch.testing.assert_close(out[b:b + 1, :n], want, rtol=1e-12, atol=1e-12)
+        assert not out[b, n:].any()
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+@pytest.mark.parametrize("rotary_dim", [16, 8])
+def test_apply_rotary_emb_matches_reference(interleaved, rotary_dim):
+    """apply_rotary_emb against flash-attn's torch reference, with int and per-sequence offsets, rotary_dim below
+    headdim (the rest passes through), fp16 rounded once from a float32 computation."""
+    g = torch.Generator().manual_seed(2)
+    B, S, H, D, seqlen_ro = 3, 5, 2, 16, 12
+    x = torch.randn(B, S, H, D, generator=g, dtype=torch.float64)
+    angles = torch.rand(seqlen_ro, rotary_dim // 2, generator=g, dtype=torch.float64) * 6
+    cos, sin = angles.cos(), angles.sin()
+    for offsets in (0, 4, torch.tensor([0, 7, 3], dtype=torch.int32)):
+        pos = torch.arange(S)[None, :] + (offsets[:, None] if isinstance(offsets, torch.Tensor) else offsets)
+        pos = pos.expand(B, S).long()
+        want = apply_rotary_emb_torch(x, cos[pos], sin[pos], interleaved)
+        got = apply_rotary_emb(x, cos, sin, interleaved, seqlen_offsets=offsets)
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+        assert torch.equal(got[..., rotary_dim:], x[..., rotary_dim:])
+        got16 = apply_rotary_emb(x.half(), cos.float(), sin.float(), interleaved, seqlen_offsets=offsets)
+        assert got16.dtype == torch.float16
+        torch.testing.assert_close(got16.double(), want, rtol=2e-3, atol=2e-3)
+    assert apply_rotary_emb_func is apply_rotary_emb
+
+
+def test_apply_rotary_emb_varlen_inplace_and_past_the_table():
+    """Packed sequences (cu_seqlens) rotate each from its own position 0 (+ offset); inplace writes into x;
+    positions past seqlen_ro stay unrotated; gradients are the rotation's transpose (gradcheck)."""
+    g = torch.Generator().manual_seed(3)
+    lens, H, D = [4, 1, 6], 2, 8
+    cu = torch.tensor([0, 4, 5, 11], dtype=torch.int32)
+    x = torch.randn(sum(lens), H, D, generator=g, dtype=torch.float64)
+    angles = torch.rand(8, D // 2, generator=g, dtype=torch.float64)
+    cos, sin = angles.cos(), angles.sin()
+    offsets = torch.tensor([0, 2, 3])
+    got = apply_rotary_emb(x, cos, sin, seqlen_offsets=offsets, cu_seqlens=cu, max_seqlen=6)
+    for b in range(3):
+        s, e = int(cu[b]), int(cu[b + 1])
+        want = apply_rotary_emb(x[None, s:e], cos, sin, seqlen_offsets=int(offsets[b]))[0]
+        torch.testing.assert_close(got[s:e], want, rtol=0, atol=0)
+    # sequence 2's tokens sit at positions 3..8: position 8 is past the 8-row table and stays as it is
+    torch.testing.assert_close(got[10], x[10], rtol=0, atol=0)
+    assert not torch.allclose(got[9], x[9])
+    y = x.clone()
+    out = apply_rotary_emb(y, cos, sin, seqlen_offsets=offsets, cu_seqlens=cu, inplace=True)
+    assert out.data_ptr() == y.data_ptr() and torch.equal(y, got)
+    xg = x[:5].clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: apply_rotary_emb(t, cos, sin, cu_seqlens=cu[:3], max_seqlen=4), (xg,))
+
+
+def test_kvcache_rotary_matches_apply_rotary_emb():
+    """flash-attn's kvcache test builds its reference with apply_rotary_emb(k, cos, sin, seqlen_offsets=
+    cache_seqlens): the new keys flash_attn_with_kvcache writes into the cache are exactly those."""
+    g = torch.Generator().manual_seed(4)
+    B, Sn, Hkv, D, cap = 2, 3, 1, 16, 12
+    k_cache = torch.zeros(B, cap, Hkv, D, dtype=torch.float64)
+    v_cache = torch.zeros_like(k_cache)
+    q = torch.randn(B, Sn, 2, D, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(B, Sn, Hkv, D, generator=g, dtype=torch.float64) for _ in range(2))
+    angles = torch.rand(cap, D // 4, generator=g, dtype=torch.float64) * 4
+    lens = torch.tensor([2, 7], dtype=torch.int32)
+    for interleaved in (False, True):
+        kc, vc = k_cache.clone(), v_cache.clone()
+        flashcore.flash_attn_with_kvcache(q, kc, vc, k, v, angles.cos(), angles.sin(), lens, causal=True,
+                                          rotary_interleaved=interleaved)
+        k_rot = apply_rotary_emb(k, angles.cos(), angles.sin(), interleaved, seqlen_offsets=lens)
+        for b in range(B):
+            s = int(lens[b])
+            torch.testing.assert_close(kc[b, s:s + Sn], k_rot[b], rtol=1e-12, atol=1e-12)
