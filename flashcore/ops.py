@@ -31,6 +31,14 @@ def _check_devices(op: str, first, args, kwargs):
                                "all tensors of a call must be on one device")
 
 
+def _check_unit_stride(tensors):
+    """The C++ rule (attention_host.cpp): the kernels read rows of unit stride; a last dim of size 1 has none."""
+    for name, t in tensors:
+        torch._check(t.numel() == 0 or t.stride(-1) == 1 or t.size(-1) == 1,
+                     lambda: f"flashcore: {name} must have a contiguous last dimension (stride 1); got strides "
+                     f"{tuple(t.stride())}")
+
+
 def _check_qkv(query, key, value, head_axis):
     """The shape and dtype rules the C++ checks apply (attention_host.cpp), on fake tensors too: under torch.compile
     or on the meta device a bad call fails when traced, not at run time."""
@@ -40,6 +48,7 @@ def _check_qkv(query, key, value, head_axis):
         torch._check(t.size(-1) == query.size(-1), lambda: f"flashcore: {name} head_dim {t.size(-1)} does not "
                      f"match query head_dim {query.size(-1)}")
     torch._check(query.is_floating_point(), lambda: f"flashcore: query has dtype {query.dtype}; expected a float")
+    _check_unit_stride((("query", query), ("key", key), ("value", value)))
     torch._check(value.shape[:-1] == key.shape[:-1], lambda: f"flashcore: value shape {tuple(value.shape)} does not "
                  f"match key shape {tuple(key.shape)} but for the head dim")
     hq, hkv = query.size(head_axis), key.size(head_axis)
@@ -64,6 +73,7 @@ def _fwd_fake(query, key, value, *args, **kwargs):  # the schema's other argumen
 @torch.library.register_fake("flashcore::bwd")
 def _bwd_fake(grad_out, query, key, value, *args, **kwargs):
     _check_devices("bwd", grad_out, (query, key, value, *args), kwargs)
+    _check_unit_stride((("grad_out", grad_out),))
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
@@ -82,6 +92,7 @@ def _varlen_fwd_fake(query, key, value, *args, **kwargs):
 @torch.library.register_fake("flashcore::varlen_bwd")
 def _varlen_bwd_fake(grad_out, query, key, value, *args, **kwargs):
     _check_devices("varlen_bwd", grad_out, (query, key, value, *args), kwargs)
+    _check_unit_stride((("grad_out", grad_out),))
     return torch.empty_like(query), torch.empty_like(key), torch.empty_like(value)
 
 
@@ -122,6 +133,8 @@ def window_pair(window_size, fn) -> tuple[int, int]:
     if isinstance(window_size, torch.Tensor):
         window_size = window_size.tolist()
     try:
+        if isinstance(window_size, (str, bytes)):
+            raise TypeError
         left, right = window_size
         if any(isinstance(x, float) and not x.is_integer() for x in (left, right)):
             raise ValueError
@@ -139,6 +152,8 @@ def float_arg(value, name, fn, default=None, float32=False) -> float:
     if value is None and default is not None:
         return default
     try:
+        if isinstance(value, (str, bytes)):  # float("0.5") would parse it
+            raise TypeError
         out = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{fn}: {name} must be a float; got {value!r}") from None
@@ -227,25 +242,21 @@ def attention(
         raise NotImplementedError("flashcore.attention: attn_mask is not supported; use is_causal or window_size")
     if dropout_p != 0.0:
         raise NotImplementedError("flashcore.attention: dropout_p must be 0 (dropout is not supported)")
-    if query.dim() != key.dim() or query.dim() != value.dim():
-        raise RuntimeError(
-            f"flashcore.attention: query, key and value must have the same rank; got query {query.dim()}-D, "
-            f"key {key.dim()}-D, value {value.dim()}-D"
-        )
-    if query.dim() < 2:
-        raise RuntimeError(
-            f"flashcore.attention: query must be (..., heads, seq_len, head_dim), at least 2-D; got "
-            f"{query.dim()}-D with shape {tuple(query.shape)}"
-        )
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
+        if not isinstance(flag, (bool, torch.SymBool)):
+            raise TypeError(f"flashcore.attention: {name} must be a bool; got {flag!r}")
+    for name, t in (("query", query), ("key", key), ("value", value)):
+        if t.dim() < 2:
+            raise RuntimeError(
+                f"flashcore.attention: {name} must be (..., seq_len, head_dim), at least 2-D; got {t.dim()}-D with "
+                f"shape {tuple(t.shape)}"
+            )
+    if not (query.shape[:-2] == key.shape[:-2] == value.shape[:-2]):
+        query, key, value, enable_gqa = _broadcast_batch_dims(query, key, value, enable_gqa)
     # SDPA's shapes: (..., heads, seq_len, head_dim), any number of leading batch dims (flattened into one here);
     # 3-D is (heads, seq_len, head_dim) and 2-D one head.
     rows_shape = None  # other than 4-D: out is (*rows_shape, value head dim), lse rows_shape
     if query.dim() != 4:
-        if query.dim() > 4 and not (key.shape[:-3] == query.shape[:-3] == value.shape[:-3]):
-            raise RuntimeError(
-                f"flashcore.attention: query, key and value must have the same batch dims; got query "
-                f"{tuple(query.shape)}, key {tuple(key.shape)}, value {tuple(value.shape)}"
-            )
         rows_shape = tuple(query.shape[:-1])
         query, key, value = (t.reshape((-1,) + tuple(t.shape[-3:])) if t.dim() >= 3 else t.reshape((1, 1) + tuple(t.shape))
                              for t in (query, key, value))
@@ -257,10 +268,15 @@ def attention(
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         query, key, value = maybe_contiguous(query), maybe_contiguous(key), maybe_contiguous(value)
     qk_dim, v_dim = query.size(-1), value.size(-1)
+    if v_dim > _MAX_HEAD_DIM and v_dim > qk_dim:  # named here: padded, query's head dim would be reported
+        raise RuntimeError(f"flashcore.attention: value head_dim {v_dim} (value.size(-1)) is not supported; at most "
+                           f"{_MAX_HEAD_DIM}")
     if v_dim < qk_dim:
         value = torch.nn.functional.pad(value, (0, qk_dim - v_dim))
     elif v_dim > qk_dim:
         query, key = (torch.nn.functional.pad(t, (0, v_dim - qk_dim)) for t in (query, key))
+    elif qk_dim == 0:  # SDPA's empty head dim: every score 0; the kernels run one zero column
+        query, key, value = (torch.nn.functional.pad(t, (0, 1)) for t in (query, key, value))
     if not enable_gqa and query.size(1) != key.size(1):
         raise RuntimeError(
             f"flashcore.attention: query has {query.size(1)} heads but key has {key.size(1)}; pass enable_gqa=True "
@@ -279,10 +295,48 @@ def attention(
     out, lse = _fwd_op(query, key, value, softmax_scale, bool(is_causal), False, left, right, softcap,
                        bool(deterministic), sinks, alibi_slopes)
     if out.size(-1) != v_dim:
-        out = out[..., :v_dim]
+        out = _dense_slice(out, v_dim)
     if rows_shape is not None:
         out, lse = out.reshape(rows_shape + (v_dim,)), lse.reshape(rows_shape)
     return (out, lse) if return_lse else out
+
+
+_MAX_HEAD_DIM = 256
+
+
+def _dense_slice(out, cols):
+    """out[..., :cols] as a dense tensor in out's dimension order (as SDPA returns a value head dim other than
+    query's: a BSHD-strided call gets BSHD strides), not a view into the padded buffer."""
+    order = sorted(range(out.dim()), key=lambda d: out.stride(d), reverse=True)
+    inverse = [order.index(d) for d in range(out.dim())]
+    return out[..., :cols].permute(order).contiguous().permute(inverse)
+
+
+def _broadcast_batch_dims(query, key, value, enable_gqa):
+    """SDPA's broadcasting of the dims before (seq_len, head_dim): batch dims broadcast as in torch, and a single
+    key/value head serves every query head (SDPA allows it without enable_gqa: here it is grouped-query attention
+    with one group), or a single query head every key/value head. Expanded views (stride 0), no copies."""
+    def lead(t):  # (batch dims, heads)
+        return tuple(t.shape[:-3]), (t.size(-3) if t.dim() >= 3 else 1)
+
+    (qb, hq), (kb, hk), (vb, hv) = lead(query), lead(key), lead(value)
+    try:
+        batch = torch.broadcast_shapes(qb, kb, vb)
+    except RuntimeError:
+        raise RuntimeError(f"flashcore.attention: the batch dims of query {tuple(query.shape)}, key "
+                           f"{tuple(key.shape)} and value {tuple(value.shape)} do not broadcast") from None
+    if hk != hv and 1 not in (hk, hv):
+        raise RuntimeError(f"flashcore.attention: key has {hk} heads and value {hv}; they must match (or one be 1)")
+    hkv = max(hk, hv)
+    if hq == 1 and hkv > 1 and not enable_gqa:
+        hq = hkv  # one query head broadcast over the key/value heads
+    elif hkv == 1 and hq > 1:
+        enable_gqa = True  # one key/value head for all query heads
+    rank = max(query.dim(), key.dim(), value.dim(), 3)
+    def expand(t, heads):
+        t = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape)) if t.dim() < rank else t
+        return t.expand(*batch, heads, t.size(-2), t.size(-1))
+    return expand(query, hq), expand(key, hkv), expand(value, hkv), enable_gqa
 
 
 def varlen_attention(

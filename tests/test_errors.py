@@ -23,17 +23,17 @@ def _bad_cases():
         ("mixed dtype", (q, k, v.half()), {}, r"value has dtype Half but query has dtype Float"),
         ("mixed dtype key", (q.double(), k, v.double()), {}, r"key has dtype"),
         ("1-D", (q[0, 0, 0], k[0, 0, 0], v[0, 0, 0]), {}, r"at least 2-D"),
-        ("leading dims", (q[None], k[None].expand(2, -1, -1, -1, -1), v[None].expand(2, -1, -1, -1, -1)), {},
-         r"same batch dims"),
-        ("rank mismatch", (q[0], k, v), {}, r"same rank"),
-        ("batch", (q, *_qkv(B=2)[1:]), {}, r"key batch size 2 does not match query batch size 1"),
-        ("value batch", (q, k, _qkv(B=3)[2]), {}, r"value batch size"),
+        # batch dims that broadcast (SDPA's rule) are tested in test_sdpa_compat.py
+        ("leading dims", (q[None].expand(3, -1, -1, -1, -1), k[None].expand(2, -1, -1, -1, -1),
+                          v[None].expand(2, -1, -1, -1, -1)), {}, r"batch dims .* do not broadcast"),
         ("head dim", (q, *_qkv(D=4)[1:]), {}, r"key head_dim 4 does not match query head_dim 8"),
-        ("heads without gqa", (q, *_qkv(Hkv=1)[1:]), {}, r"enable_gqa"),
+        ("heads without gqa", (q, *_qkv(Hkv=4)[1:]), {}, r"enable_gqa"),
         ("heads not multiple", (q, *_qkv(Hkv=3)[1:]), {"enable_gqa": True}, r"multiple of key/value heads"),
-        ("key/value heads", (q, k, _qkv(Hkv=1)[2]), {"enable_gqa": True}, r"value has 1 heads but key has 2"),
+        ("key/value heads", (_qkv(Hq=6)[0], _qkv(Hkv=2)[1], _qkv(Hkv=3)[2]), {"enable_gqa": True},
+         r"key has 2 heads and value 3"),
         ("kv length", (q, k, v[:, :, :3]), {}, r"value has sequence length 3 but key has 6"),
         ("head dim too big", _qkv(D=300), {}, r"head_dim 300"),
+        ("value head dim too big", (q, k, _qkv(D=300)[2]), {}, r"value head_dim 300 \(value.size\(-1\)\)"),
         ("scale nan", (q, k, v), {"scale": float("nan")}, r"scale must be finite"),
         ("scale inf", (q, k, v), {"scale": math.inf}, r"scale must be finite"),
     ]
@@ -53,6 +53,34 @@ def test_op_rejects_what_attention_adapts():
         torch.ops.flashcore.fwd(q.transpose(-1, -2), k.transpose(-1, -2), v.transpose(-1, -2), 0.3)
     with pytest.raises(RuntimeError, match=r"value head_dim 16"):
         torch.ops.flashcore.fwd(q, k, _qkv(D=16)[2], 0.3)
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"is_causal": None}, "is_causal must be a bool"), ({"is_causal": 1}, "is_causal must be a bool"),
+    ({"enable_gqa": None}, "enable_gqa must be a bool"), ({"scale": "0.5"}, "scale must be a float"),
+    ({"window_size": "20"}, "window_size must be a pair"),
+])
+def test_argument_types_as_sdpa_checks_them(kwargs, match):
+    """SDPA raises TypeError for these; flashcore does too (a string scale or window is not parsed)."""
+    with pytest.raises(TypeError, match=match):
+        flashcore.attention(*_qkv(), **kwargs)
+
+
+def test_fake_kernels_check_unit_stride_rows():
+    """The fake kernels refuse what the C++ ops refuse (rows of stride 1), so that a direct op call fails when
+    torch.compile traces it, not at run time."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    q, k, v = _qkv()
+    out, lse = torch.ops.flashcore.fwd(q, k, v, 0.3)
+    with FakeTensorMode(allow_non_fake_inputs=False) as mode:
+        fq, fk, fv, fo, flse = (mode.from_tensor(t) for t in (q, k, v, out, lse))
+        strided = mode.from_tensor(torch.randn(1, 2, 5, 16)[..., ::2])
+        with pytest.raises(RuntimeError, match="query must have a contiguous last dimension"):
+            torch.ops.flashcore.fwd(strided, fk, fv, 0.3)
+        with pytest.raises(RuntimeError, match="grad_out must have a contiguous last dimension"):
+            torch.ops.flashcore.bwd(strided, fq, fk, fv, fo, flse, 0.3, False, False, -1, -1, 0.0, False)
+        torch.ops.flashcore.bwd(fo, fq, fk, fv, fo, flse, 0.3, False, False, -1, -1, 0.0, False)
 
 
 def test_unsupported_sdpa_arguments():

@@ -435,8 +435,11 @@ struct BlockOps {
         vmax = visible > vmax ? visible : vmax;
       }
       const T m_new = std::max(row_max[r], hmax<T>(vmax));
-      alpha[r] = std::exp(row_max[r] - m_new);  // exp(-inf) = 0 on the first visible block
-      const V vm = vbroadcast(m_new);
+      // Every visible score so far -inf (from the data, e.g. a -inf in q): exponentiate against 0, so that the
+      // probabilities are 0 and the row ends empty (out 0, lse -inf), not exp(-inf - -inf) = NaN.
+      const T m_ref = m_new == kNegInf ? T(0) : m_new;
+      alpha[r] = std::exp(row_max[r] - m_ref);  // exp(-inf) = 0 on the first visible block
+      const V vm = vbroadcast(m_ref);
       V vsum{};
       for (int64_t c = 0; c < cols_pad; c += L) {
         const V p = vexp(vload(x + c) - vm);
