@@ -215,8 +215,9 @@ def attention(
 
     query: (B, Hq, Sq, D); key: (B, Hkv, Sk, D); value: (B, Hkv, Sk, Dv), any strides (BSHD tensors passed as
     ``x.transpose(1, 2)`` views are read in place when the last dim is contiguous, copied otherwise). As in SDPA,
-    any number of leading batch dims (..., H, S, D) works, 3-D inputs are (H, S, D) and 2-D one head, and Dv may
-    differ from D. is_causal masks as SDPA does (top-left aligned when Sq != Sk). scale defaults to 1/sqrt(D). With
+    any number of leading batch dims (..., H, S, D) works and broadcasts (a single key/value head serves every
+    query head without enable_gqa; expanded views, no copies), 3-D inputs are (H, S, D) and 2-D one head, and Dv
+    may differ from D. is_causal masks as SDPA does (top-left aligned when Sq != Sk). scale defaults to 1/sqrt(D). With
     enable_gqa=True, Hq may be a multiple of Hkv (grouped-query attention; K/V are never copied per head). Inside
     torch.autocast, float32 inputs run in the autocast dtype, as SDPA's do. attn_mask and dropout_p exist for
     drop-in compatibility and must be None and 0.
