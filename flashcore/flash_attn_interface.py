@@ -390,7 +390,8 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
                                 window_size_right, softcap, alibi_slopes, deterministic, rng_state=None,
                                 zero_tensors=False):
     """flash-attn 2.x's _flash_attn_varlen_backward: writes the gradients into dq, dk, dv (those given) and returns
-    softmax_d (nheads, total_q) float32, rowsum(dout * out)."""
+    softmax_d (nheads, total_q + 128 * batch) float32 in flash-attn's padded layout: rowsum(dout * out) of packed
+    row t of sequence b at column t + 128 b, zeros elsewhere."""
     fn = "_flash_attn_varlen_backward"
     _check_dropout(dropout_p, fn)
     left, right = _flash_window(*window_pair((window_size_left, window_size_right), fn), causal,
@@ -404,7 +405,12 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     for dst, g in zip((dq, dk, dv), grads):
         if dst is not None:
             dst.copy_(g[..., :head_dim])
-    return (dout.float() * out.float()).sum(-1).transpose(0, 1).contiguous()
+    rowsum = (dout.float() * out.float()).sum(-1).transpose(0, 1)  # (nheads, total_q)
+    batch, total_q = cu_seqlens_q.numel() - 1, q.size(0)
+    seq = torch.searchsorted(cu_seqlens_q[1:].long(), torch.arange(total_q, device=q.device), right=True)
+    softmax_d = rowsum.new_zeros(rowsum.size(0), total_q + 128 * batch)
+    softmax_d[:, torch.arange(total_q, device=q.device) + 128 * seq.clamp(max=max(batch - 1, 0))] = rowsum
+    return softmax_d
 
 
 # ----------------------------------------------------------------------------------------------------------------

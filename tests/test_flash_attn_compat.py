@@ -132,10 +132,16 @@ def test_lower_level_forward_backward(window):
     torch.testing.assert_close(out_v, want.detach().flatten(0, 1), rtol=1e-12, atol=1e-12)
     assert lse_v.shape == (2, 74)
     dq, dk, dv = (torch.empty_like(x) for x in (qv, kv_, vv))
-    fai._flash_attn_varlen_backward(dout.flatten(0, 1), qv, kv_, vv, out_v, lse_v, dq, dk, dv, cu_q, cu_k, 37, 29,
-                                    0.0, scale, True, *window, 0.0, None, False)
+    softmax_d_v = fai._flash_attn_varlen_backward(dout.flatten(0, 1), qv, kv_, vv, out_v, lse_v, dq, dk, dv, cu_q,
+                                                  cu_k, 37, 29, 0.0, scale, True, *window, 0.0, None, False)
     for got, ref in zip((dq, dk, dv), grads):
         torch.testing.assert_close(got, ref.flatten(0, 1), rtol=1e-10, atol=1e-12)
+    # flash-attn's padded layout: (nheads, total_q + 128 batch), sequence b's rows from column cu_q[b] + 128 b
+    assert softmax_d_v.shape == (2, 74 + 2 * 128)
+    rowsum = (dout * out).sum(-1).transpose(1, 2).float()  # (batch, nheads, 37)
+    torch.testing.assert_close(softmax_d_v[:, :37], rowsum[0])
+    torch.testing.assert_close(softmax_d_v[:, 37 + 128:74 + 128], rowsum[1])
+    assert not softmax_d_v[:, 37:37 + 128].any() and not softmax_d_v[:, 74 + 128:].any()
     with pytest.raises(NotImplementedError, match="dropout_p"):
         fai._flash_attn_forward(q, k, v, 0.1, scale, True, -1, -1, 0.0, None, False)
 
