@@ -192,6 +192,16 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     src = (starts[:, None] + r[None, :] - pad[:, None]).clamp(0, max(total_q - 1, 0))
     q_block = q[src] if total_q > 0 else q.new_zeros(B, Mq, *q.shape[1:])  # (B, Mq, Hq, D); pad rows: any row
     lens_k = seqused_k if seqused_k is not None else (cu_seqlens_k[1:] - cu_seqlens_k[:-1])
+    if (not lens_k.is_cuda and lens_k.numel() and isinstance(block_table, torch.Tensor) and block_table.dim() == 2
+            and not torch.compiler.is_compiling()):
+        # Free on the host (the op checks too, naming its own cache_seqlens); on a GPU this would be a sync, so
+        # there the kernels clamp to the pages instead.
+        capacity = block_table.size(1) * k_cache.size(1)
+        longest = int(lens_k.max())
+        if longest > capacity:
+            what = "seqused_k" if seqused_k is not None else "cu_seqlens_k[b + 1] - cu_seqlens_k[b]"
+            raise RuntimeError(f"flash_attn_varlen_func: max({what}) = {longest} keys exceed the capacity addressable "
+                               f"by block_table ({block_table.size(1)} pages of {k_cache.size(1)} = {capacity})")
     (qp, kc, vc), head_dim = pad_head_dim([q_block, k_cache, v_cache])
     out_block, lse_block = _kvcache_fwd_op(qp, kc, vc, lens_k.to(torch.int32).contiguous(), block_table, None, None,
                                            float(softmax_scale), bool(causal), left, right, float(softcap), sinks,

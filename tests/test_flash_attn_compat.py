@@ -279,3 +279,22 @@ def test_kvcache_int_lengths_that_do_not_fit_raise_runtime_error():
             fai.flash_attn_with_kvcache(q, pages.clone(), pages.clone(), new, new, cache_seqlens=32, block_table=bt)
     out = fai.flash_attn_with_kvcache(q, pages.clone(), pages.clone(), new, new, cache_seqlens=31, block_table=bt)
     assert out.shape == q.shape and torch.isfinite(out).all()
+
+
+def test_paged_varlen_lengths_past_the_pages_name_the_argument():
+    """On the CPU (no sync to pay) a paged varlen call whose key lengths exceed what block_table addresses is refused
+    naming cu_seqlens_k (or seqused_k) and block_table."""
+    g = torch.Generator().manual_seed(7)
+    q = torch.randn(5, 2, D, generator=g)
+    pages = torch.randn(4, 16, 2, D, generator=g)
+    bt = torch.tensor([[0, 1]], dtype=torch.int32)
+    cu_q = torch.tensor([0, 5], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"cu_seqlens_k.*block_table"):
+        fai.flash_attn_varlen_func(q, pages, pages, cu_q, torch.tensor([0, 40], dtype=torch.int32), 5, 40,
+                                   block_table=bt)
+    with pytest.raises(RuntimeError, match=r"seqused_k.*block_table"):
+        fai._flash_attn_varlen_forward(q, pages, pages, cu_q, torch.tensor([0, 32], dtype=torch.int32), 5, 32, 0.0,
+                                       None, False, block_table=bt, seqused_k=torch.tensor([33], dtype=torch.int32))
+    out = fai.flash_attn_varlen_func(q, pages, pages, cu_q, torch.tensor([0, 32], dtype=torch.int32), 5, 32,
+                                     block_table=bt)
+    assert torch.isfinite(out).all()
