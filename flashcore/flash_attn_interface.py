@@ -25,6 +25,7 @@ from typing import Optional
 
 import torch
 
+from .layers.rotary import rotate_rows
 from .ops import _check_tensor, float_arg, maybe_contiguous, pad_head_dim, window_pair
 
 __all__ = [
@@ -444,21 +445,10 @@ def _apply_rotary(x, cos, sin, positions, interleaved):
     """x (B, S, H, D) with its first rotary_dim = 2 * cos.size(1) dims rotated by the angles at rows `positions`
     (B, S) of cos/sin (seqlen_ro, rotary_dim / 2): interleaved rotates GPT-J pairs (x[2i], x[2i+1]), otherwise
     GPT-NeoX halves (x[i], x[i + rotary_dim/2]). Computed in float32 (float64 for float64 x) and rounded to x's
-    dtype once, as flash-attn's kernel (and its apply_rotary_emb reference) does."""
-    half = cos.size(1)
-    if half == 0 or x.size(1) == 0:
+    dtype once, as flash-attn's kernel (and its apply_rotary_emb) does."""
+    if cos.size(1) == 0 or x.size(1) == 0:
         return x
-    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    c = cos[positions].to(cdt).unsqueeze(2)  # (B, S, 1, half): one angle per position, shared by the heads
-    s = sin[positions].to(cdt).unsqueeze(2)
-    xr = x[..., : 2 * half].to(cdt)
-    if interleaved:
-        x0, x1 = xr[..., 0::2], xr[..., 1::2]
-        rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-    else:
-        x0, x1 = xr[..., :half], xr[..., half:]
-        rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
+    return rotate_rows(x, cos[positions], sin[positions], interleaved)
 
 
 def _append_slots(seqlens, num_new, capacity, cache, block_table, cache_batch_idx):

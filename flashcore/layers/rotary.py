@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_torch", "rotate_half"]
+__all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_torch", "rotate_half", "rotate_rows"]
 
 
 def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -42,6 +42,25 @@ def apply_rotary_emb_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)  # broadcast over heads
     rotated = x[..., :ro_dim] * cos + rotate_half(x[..., :ro_dim], interleaved) * sin
     return torch.cat((rotated, x[..., ro_dim:]), dim=-1)
+
+
+def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x (B, S, H, D) with its first 2 * cos.size(-1) dims rotated by per-token angles cos/sin (B, S, rotary_dim / 2)
+    (shared by the heads): computed in float32 (float64 for float64 x) and rounded to x's dtype once. The rotation
+    of apply_rotary_emb and of flash_attn_with_kvcache's rotary_cos/rotary_sin."""
+    half = cos.size(-1)
+    if half == 0 or x.numel() == 0:
+        return x
+    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+    c, s = cos.to(cdt).unsqueeze(-2), sin.to(cdt).unsqueeze(-2)  # (B, S, 1, half)
+    xr = x[..., : 2 * half].to(cdt)
+    if interleaved:
+        x0, x1 = xr[..., 0::2], xr[..., 1::2]
+        rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
+    else:
+        x0, x1 = xr[..., :half], xr[..., half:]
+        rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
+    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
 
 
 def _positions(x, seqlen_offsets, cu_seqlens, max_seqlen):
@@ -81,23 +100,15 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     pos = _positions(x, seqlen_offsets, cu_seqlens, max_seqlen)
     inside = (pos >= 0) & (pos < cos.shape[0])
     row = pos.clamp(0, max(cos.shape[0] - 1, 0))
-    cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    c = torch.where(inside[..., None], cos[row].to(cdt), 1.0).unsqueeze(-2)  # (B, S, 1, half)
-    s = torch.where(inside[..., None], sin[row].to(cdt), 0.0).unsqueeze(-2)
-    xr = xs[..., : 2 * half].to(cdt)
-    if interleaved:
-        x0, x1 = xr[..., 0::2], xr[..., 1::2]
-        rot = torch.stack((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1).flatten(-2)
-    else:
-        x0, x1 = xr[..., :half], xr[..., half:]
-        rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    rot = rot.to(x.dtype)
+    c = torch.where(inside[..., None], cos[row], 1.0)  # (B, S, half)
+    s = torch.where(inside[..., None], sin[row], 0.0)
+    out = rotate_rows(xs, c, s, interleaved)
     if cu_seqlens is not None:
-        rot = rot.squeeze(0)
+        out = out.squeeze(0)
     if inplace:
-        x[..., : 2 * half] = rot
+        x[..., : 2 * half] = out[..., : 2 * half]
         return x
-    return torch.cat((rot, x[..., 2 * half:]), dim=-1)
+    return out
 
 
 # flash-attn's older name
