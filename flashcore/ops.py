@@ -121,6 +121,9 @@ _varlen_fwd_op = torch.ops.flashcore.varlen_fwd.default
 # ----------------------------------------------------------------------------------------------------------------
 
 
+_MAX_HEAD_DIM = 256  # the kernels' largest head dim (attention_host.cpp's limits, every family)
+
+
 def _check_tensor(t, name, fn="flashcore.attention"):
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{fn}: {name} must be a torch.Tensor; got {type(t).__name__}")
@@ -217,10 +220,10 @@ def attention(
     ``x.transpose(1, 2)`` views are read in place when the last dim is contiguous, copied otherwise). As in SDPA,
     any number of leading batch dims (..., H, S, D) works and broadcasts (a single key/value head serves every
     query head without enable_gqa; expanded views, no copies), 3-D inputs are (H, S, D) and 2-D one head, and Dv
-    may differ from D. is_causal masks as SDPA does (top-left aligned when Sq != Sk). scale defaults to 1/sqrt(D). With
-    enable_gqa=True, Hq may be a multiple of Hkv (grouped-query attention; K/V are never copied per head). Inside
-    torch.autocast, float32 inputs run in the autocast dtype, as SDPA's do. attn_mask and dropout_p exist for
-    drop-in compatibility and must be None and 0.
+    may differ from D. is_causal masks as SDPA does (top-left aligned when Sq != Sk). scale defaults to
+    1/sqrt(D). With enable_gqa=True, Hq may be a multiple of Hkv (grouped-query attention; K/V are never copied
+    per head). Inside torch.autocast, float32 inputs run in the autocast dtype, as SDPA's do. attn_mask and
+    dropout_p exist for drop-in compatibility and must be None and 0.
 
     Variants (aligned top-left like is_causal; flash_attn_func aligns them bottom-right):
       window_size=(left, right): query i sees keys i - left .. i + right (-1: unbounded on that side);
@@ -302,12 +305,9 @@ def attention(
     return (out, lse) if return_lse else out
 
 
-_MAX_HEAD_DIM = 256
-
-
 def _dense_slice(out, cols):
-    """out[..., :cols] as a dense tensor in out's dimension order (as SDPA returns a value head dim other than
-    query's: a BSHD-strided call gets BSHD strides), not a view into the padded buffer."""
+    """out[..., :cols] as a dense tensor in out's dimension order (query's layout), not a view into the padded
+    buffer, so that callers may .view() it as they may SDPA's output."""
     order = sorted(range(out.dim()), key=lambda d: out.stride(d), reverse=True)
     inverse = [order.index(d) for d in range(out.dim())]
     return out[..., :cols].permute(order).contiguous().permute(inverse)
