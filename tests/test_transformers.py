@@ -286,6 +286,31 @@ def test_logits(kind, ref_impl, padding):
     assert_logits_close(got, want, where=mask.bool())
 
 
+@pytest.mark.parametrize("positions", ["gaps", "repeat", "restart"])
+@pytest.mark.parametrize("call", ["cache", "no_cache", "mask_of_ones"])
+def test_position_ids_pack_where_eager_or_flash_attention_2_does(positions, call):
+    """position_ids other than a +1 run. transformers' eager and sdpa treat them as packed sequences (each step other
+    than +1 starting one) only without a cache and without an attention_mask; flashcore packs there too (the mask
+    function hands it transformers' sequence ids), and otherwise only where they restart (decrease), as
+    flash_attention_2 does whatever the cache: gaps and repeats under a cache or a mask are one sequence."""
+    ref, model = pair("mistral")  # sliding layers too
+    ids, _ = prompts([16], seed=4)
+    pos = {"gaps": torch.arange(0, 32, 2), "repeat": torch.tensor([0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]),
+           "restart": torch.cat([torch.arange(6), torch.arange(10)])}[positions][None]
+    kwargs = {"cache": {}, "no_cache": {"use_cache": False},
+              "mask_of_ones": {"attention_mask": torch.ones_like(ids), "use_cache": False}}[call]
+    packs = call == "no_cache" or positions == "restart"
+    with torch.no_grad():
+        got = model(ids, position_ids=pos, **kwargs).logits
+        packed = ref(ids, position_ids=pos, use_cache=False).logits  # eager's packed reading
+        unpacked = ref(ids, position_ids=pos, attention_mask=torch.ones_like(ids)).logits
+    assert (packed - unpacked).abs().max().item() > 1e-3, "the case does not tell packed from unpacked"
+    assert_logits_close(got, packed if packs else unpacked)
+    if not packs or call == "no_cache":  # eager itself, where it applies the same reading
+        with torch.no_grad():
+            assert_logits_close(got, ref(ids, position_ids=pos, **kwargs).logits)
+
+
 @pytest.mark.parametrize("kind,change", [("mistral", {"sliding_window": None}), ("gemma2", {"sliding_window": 4096}),
                                          ("gemma2", {"attn_logit_softcapping": None}), ("gpt_oss", "sinks"),
                                          ("gpt_oss", {"sliding_window": 4096})])
@@ -382,8 +407,8 @@ def test_padding_free_training(kind, boundaries, monkeypatch):
     assert ("cu_seq_lens_q" in flat) == (boundaries == "cu_seq_lens")
     if boundaries == "cu_seq_lens":  # the given boundaries are used, not inferred again from position_ids
         def unused(*args):
-            raise AssertionError("position_ids were read although cu_seq_lens_q/k were given")
-        monkeypatch.setattr(fct, "_packed_from_position_ids", unused)
+            raise AssertionError("the packed sequence ids were read although cu_seq_lens_q/k were given")
+        monkeypatch.setattr(fct, "_packed_from_sequence_ids", unused)
 
     ref, model = pair(kind)
     ref.train()

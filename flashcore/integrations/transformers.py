@@ -27,10 +27,13 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
   with Sq queries and Sk keys sees keys j <= i + Sk - Sq), through the varlen op. Static caches work too: the mask
   function then gives a mask of the keys written so far and the unwritten slots are not attended to.
 * packed sequences (padding-free training, ``DataCollatorWithFlattening``): the ``cu_seq_lens_q/k`` and
-  ``max_length_q/k`` kwargs when given; otherwise ``position_ids`` that restart (a step other than +1 starts a new
-  sequence, as transformers' masks read them) split each row into sequences. Either runs the varlen op. Reading
-  position_ids costs a sync, so under torch.compile only the cu_seq_lens kwargs pack (a plain forward then compiles
-  with fullgraph=True; flash_attention_2's own position_ids check breaks the graph).
+  ``max_length_q/k`` kwargs when given; otherwise ``position_ids`` (a step other than +1 starts a new sequence)
+  split each row into sequences where transformers' masks split them for eager and sdpa (no cache, no
+  attention_mask: the mask function hands transformers' sequence ids to the attention function), and, for models
+  whose masks do not see position_ids (GPT-OSS), where they restart, flash_attention_2's rule. Either runs the
+  varlen op. The mask function's parts are read outside tracing only, so under torch.compile only the
+  cu_seq_lens kwargs pack (a plain forward then compiles with fullgraph=True; flash_attention_2's own
+  position_ids check breaks the graph).
 * ``sliding_window=w``: query i sees keys i - w + 1 .. i (flash-attn's window_size=(w - 1, w - 1), exactly as
   transformers' flash_attention_2 converts it; w keys in all, transformers' mask convention).
 * ``softcap`` (Gemma 2), ``s_aux`` (GPT-OSS's attention sinks, differentiable), ``scaling``, GQA/MQA (k/v with fewer
@@ -174,6 +177,19 @@ def _check_mask_function(mask_function, kv_length, kv_offset, kwargs):
         )
 
 
+def _packed_sequence_ids(mask_function):
+    """The (batch, seq_len) sequence index of every token, as int32, when transformers found packed sequences (it
+    adds packed_sequence_mask_function to the mask only where eager and sdpa apply it: position_ids that restart,
+    no cache and no attention_mask), else None. The attention function takes an int32 mask as these ids, so that
+    flashcore packs exactly where eager and sdpa do (reading position_ids there instead packed under a cache too)."""
+    for name, fn, _ in _mask_parts(mask_function):
+        if name.startswith("packed_sequence_mask_function."):
+            ids = _closure_tensor(fn)
+            if ids is not None and ids.dim() == 2:
+                return ids.to(torch.int32)
+    return None
+
+
 def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask=None, **kwargs):
     """The mask function registered with AttentionMaskInterface: the 2-D (batch, kv_len) bool padding mask sliced to
@@ -187,6 +203,9 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     # inspect: the patterns are checked in eager calls only (run a model once eagerly to validate it).
     if mask_function is not None and not torch.compiler.is_compiling():
         _check_mask_function(mask_function, kv_length, kv_offset, kwargs)
+        packed = _packed_sequence_ids(mask_function)
+        if packed is not None:
+            return packed
     written = q_offset + q_length
     # Causal masks only (create_bidirectional_mask, also used for cross-attention, passes allow_is_bidirectional_skip)
     from_start = kv_offset == 0 and "allow_is_bidirectional_skip" not in kwargs and not isinstance(kv_length,
@@ -200,7 +219,8 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
         attention_mask = attention_mask[:, -kv_length:]
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             attention_mask = None
-        return attention_mask
+        # bool: the attention function reads an int32 mask as packed sequence ids (_packed_sequence_ids)
+        return attention_mask if attention_mask is None else attention_mask.bool()
     if from_start and written < kv_length:  # a static cache: kv_length is its capacity, the slots past `written`
         return torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))  # are empty
     return None
@@ -233,22 +253,31 @@ def _target_dtype(query: torch.Tensor, module) -> torch.dtype:
 
 
 def _packed_from_position_ids(position_ids, batch_size, seq_len):
-    """cu_seqlens (int32) and the longest length when position_ids (batch or 1, seq_len) restart inside a row
-    (packed sequences: a step other than +1 starts a new one, transformers' find_packed_sequence_indices), else
-    None. Reads the ids on the host (one sync), as flash-attn's backend does."""
+    """Sequence ids (batch, seq_len) from position_ids that restart (decrease somewhere: flash_attention_2's test
+    for packed sequences, which transformers applies whatever the cache), a step other than +1 starting a new
+    sequence (transformers' find_packed_sequence_indices); None when they do not restart. For the models whose mask
+    functions do not see position_ids (_packed_sequence_ids finds nothing there), e.g. GPT-OSS. One sync."""
     if position_ids is None or not isinstance(position_ids, torch.Tensor) or seq_len <= 1:
         return None
     if position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
     if position_ids.dim() != 2 or position_ids.shape[-1] != seq_len:
         return None  # e.g. the 3-D multimodal rotary ids of Qwen2-VL: not a packing signal
-    position_ids = position_ids.expand(batch_size, seq_len)
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
-    if not bool(starts[:, 1:].any()):
+    steps = torch.diff(position_ids.expand(batch_size, seq_len), dim=-1)
+    if not bool((steps < 0).any()):
         return None
+    return F.pad((steps != 1).cumsum(-1, dtype=torch.int32), (1, 0))
+
+
+def _packed_from_sequence_ids(ids):
+    """cu_seqlens (int32) over the flattened (batch * seq_len) rows and the longest length, for per-token sequence
+    ids (batch, seq_len): a new sequence starts at every row and wherever the id changes. Reads the boundaries on
+    the host (one sync), as flash-attn's backend does with position_ids."""
+    B, S = ids.shape
+    starts = torch.ones_like(ids, dtype=torch.bool)
+    starts[:, 1:] = ids[:, 1:] != ids[:, :-1]
     starts = starts.flatten().nonzero().flatten().to(torch.int32)
-    total = torch.tensor([batch_size * seq_len], dtype=torch.int32, device=starts.device)
+    total = torch.tensor([B * S], dtype=torch.int32, device=starts.device)
     cu = torch.cat([starts, total])
     return cu, int((cu[1:] - cu[:-1]).max())
 
@@ -304,6 +333,9 @@ def attention_forward(
                 f"attn_implementation={NAME!r}: this model passes `{name}` to its attention ({_UNSUPPORTED_KWARGS[name]}), "
                 "which flashcore cannot apply; use attn_implementation='sdpa' or 'eager' for it."
             )
+    packed_ids = None
+    if attention_mask is not None and attention_mask.dtype == torch.int32 and attention_mask.dim() == 2:
+        packed_ids, attention_mask = attention_mask, None  # from padding_mask (_packed_sequence_ids)
     if attention_mask is not None and attention_mask.dim() != 2:
         raise TypeError(
             f"attn_implementation={NAME!r}: got a {attention_mask.dim()}-D attention mask; flashcore takes 2-D "
@@ -380,10 +412,12 @@ def attention_forward(
         cu_k = cu_seq_lens_k.to(device=query.device, dtype=torch.int32)
         out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
                                 cu_q, cu_k, int(max_length_q), int(max_length_k), **varlen).view(B, Sq, Hq, D)
-    elif Sq == Sk and not torch.compiler.is_compiling() and (
-            packed := _packed_from_position_ids(position_ids, B, Sq)) is not None:
-        # Padding-free batch described by restarting position_ids only.
-        cu, max_len = packed
+    elif Sq == Sk and ((packed_ids is not None and tuple(packed_ids.shape) == (B, Sq)) or (
+            not torch.compiler.is_compiling()
+            and (packed_ids := _packed_from_position_ids(position_ids, B, Sq)) is not None)):
+        # Padding-free batch described by position_ids only: as transformers' mask found it (padding_mask), or, for
+        # models whose masks do not see position_ids, where they restart (flash_attention_2's rule).
+        cu, max_len = _packed_from_sequence_ids(packed_ids)
         out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
                                 cu, cu, max_len, max_len, **varlen).view(B, Sq, Hq, D)
     elif Sq == Sk or (not is_causal and window is None):
