@@ -295,7 +295,7 @@ def test_position_ids_pack_where_eager_or_flash_attention_2_does(positions, call
     flash_attention_2 does whatever the cache: gaps and repeats under a cache or a mask are one sequence."""
     ref, model = pair("mistral")  # sliding layers too
     ids, _ = prompts([16], seed=4)
-    pos = {"gaps": torch.arange(0, 32, 2), "repeat": torch.tensor([0, 1, 2, 3, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14]),
+    pos = {"gaps": torch.arange(0, 32, 2), "repeat": torch.cat([torch.arange(4), torch.arange(3, 15)]),
            "restart": torch.cat([torch.arange(6), torch.arange(10)])}[positions][None]
     kwargs = {"cache": {}, "no_cache": {"use_cache": False},
               "mask_of_ones": {"attention_mask": torch.ones_like(ids), "use_cache": False}}[call]
