@@ -382,16 +382,14 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     float next_stat[BwdRowStats<Traits>::kPer];
     if (step + 1 < blk.steps) row_stats.load(cursor.next(), next_stat);
     const float* stats = row_stats.buffer(step & 1);
-    // The lse loaded before the wait for S^T where registers allow (64- and 80-row steps), so that its latency
-    // (ncu: short-scoreboard stalls on the exp2 FFMAs, ~5 % of the 80-row kernel's samples when loaded after it)
-    // runs under the GEMM; 128-row steps hold too many S^T and dP^T registers, and dsum, loaded before its wait,
-    // made the 80-row kernels spill 20-28 B.
-    constexpr bool kPreload = kBlockM <= 80;
+    // The lse loaded before the wait for S^T, so that its shared-memory latency runs under the GEMM (ncu, loaded
+    // after it: short-scoreboard stalls on the exp2 FFMAs, ~5 % of the 80-row kernel's samples; the 128-row
+    // kernels 4-5 % slower at 2k head dim 64). dsum waits for dP^T: loaded before that wait, the 80-row kernels
+    // spilled 20-28 B.
     float2 lse[kQTiles], dsum_q[kQTiles];
-    if constexpr (kPreload) load_query_pairs<kQTiles>(stats, 0, t, lse);
+    load_query_pairs<kQTiles>(stats, 0, t, lse);
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
-    if constexpr (!kPreload) load_query_pairs<kQTiles>(stats, 0, t, lse);
     const bool needs_mask = !unmasked.contains(cursor.m_index);
     uint32_t dtanh[kSVals / 2];  // score-mod variant only: 1 - tanh^2, fp16 pairs
     ScoreMod mod;
