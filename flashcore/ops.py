@@ -255,7 +255,10 @@ def attention(
                 f"flashcore.attention: {name} must be (..., seq_len, head_dim), at least 2-D; got {t.dim()}-D with "
                 f"shape {tuple(t.shape)}"
             )
-    if not (query.shape[:-2] == key.shape[:-2] == value.shape[:-2]):
+    # The common calls (same batch dims and key/value heads; grouped query heads with enable_gqa) skip this.
+    if not (query.shape[:-3] == key.shape[:-3] == value.shape[:-3] and query.dim() == key.dim() == value.dim()
+            and (query.dim() == 2 or (key.size(-3) == value.size(-3)
+                                      and (enable_gqa or query.size(-3) == key.size(-3))))):
         query, key, value, enable_gqa = _broadcast_batch_dims(query, key, value, enable_gqa)
     # SDPA's shapes: (..., heads, seq_len, head_dim), any number of leading batch dims (flattened into one here);
     # 3-D is (heads, seq_len, head_dim) and 2-D one head.

@@ -139,10 +139,10 @@ def _closure_tensor(fn):
     return None
 
 
-def _check_mask_function(mask_function, kv_length, kv_offset, kwargs):
+def _check_mask_function(parts, kv_length, kv_offset, kwargs):
     """Raises for mask patterns the kernels cannot apply, where ignoring them would change results; warns once
-    for patterns that only widen the mask (or_mask_function), which flash_attention_2 ignores too."""
-    parts = _mask_parts(mask_function)
+    for patterns that only widen the mask (or_mask_function), which flash_attention_2 ignores too. parts: the mask
+    function's _mask_parts."""
     names = [name for name, _, _ in parts]
     if any(n.startswith("chunked_overlay") for n in names) and kv_length + kv_offset > kwargs.get("local_size", 0):
         raise ValueError(
@@ -177,12 +177,12 @@ def _check_mask_function(mask_function, kv_length, kv_offset, kwargs):
         )
 
 
-def _packed_sequence_ids(mask_function):
+def _packed_sequence_ids(parts):
     """The (batch, seq_len) sequence index of every token, as int32, when transformers found packed sequences (it
     adds packed_sequence_mask_function to the mask only where eager and sdpa apply it: position_ids that restart,
     no cache and no attention_mask), else None. The attention function takes an int32 mask as these ids, so that
     flashcore packs exactly where eager and sdpa do (reading position_ids there instead packed under a cache too)."""
-    for name, fn, _ in _mask_parts(mask_function):
+    for name, fn, _ in parts:
         if name.startswith("packed_sequence_mask_function."):
             ids = _closure_tensor(fn)
             if ids is not None and ids.dim() == 2:
@@ -202,8 +202,9 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     # Under torch.compile the mask function is a closure built inside the traced code, whose parts dynamo cannot
     # inspect: the patterns are checked in eager calls only (run a model once eagerly to validate it).
     if mask_function is not None and not torch.compiler.is_compiling():
-        _check_mask_function(mask_function, kv_length, kv_offset, kwargs)
-        packed = _packed_sequence_ids(mask_function)
+        parts = _mask_parts(mask_function)
+        _check_mask_function(parts, kv_length, kv_offset, kwargs)
+        packed = _packed_sequence_ids(parts)
         if packed is not None:
             return packed
     written = q_offset + q_length
