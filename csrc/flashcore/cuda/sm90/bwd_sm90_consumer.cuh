@@ -384,8 +384,8 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     const float* stats = row_stats.buffer(step & 1);
     // The lse loaded before the wait for S^T, so that its shared-memory latency runs under the GEMM (ncu, loaded
     // after it: short-scoreboard stalls on the exp2 FFMAs, ~5 % of the 80-row kernel's samples; the 128-row
-    // kernels 4-5 % slower at 2k head dim 64). dsum waits for dP^T: loaded before that wait, the 80-row kernels
-    // spilled 20-28 B.
+    // kernels 4-5 % slower at 2k head dim 64). dsum waits for dP^T: loaded before that wait, the 80- and 128-row
+    // kernels spill 20-28 B.
     float2 lse[kQTiles], dsum_q[kQTiles];
     load_query_pairs<kQTiles>(stats, 0, t, lse);
     ptx::wgmma_wait<1>();
