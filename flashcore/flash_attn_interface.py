@@ -26,7 +26,7 @@ from typing import Optional
 import torch
 
 from .layers.rotary import rotate_rows
-from .ops import _check_tensor, float_arg, maybe_contiguous, pad_head_dim, window_pair
+from .ops import _check_tensor, float_arg, maybe_contiguous, packed_rows, pad_head_dim, window_pair
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
@@ -207,10 +207,9 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     out_block, lse_block = _kvcache_fwd_op(qp, kc, vc, lens_k.to(torch.int32).contiguous(), block_table, None, None,
                                            float(softmax_scale), bool(causal), left, right, float(softcap), sinks,
                                            alibi_slopes, 0)
-    # packed row t: sequence b (searchsorted), padded row t - starts[b] + pad[b]; rows outside every sequence: lse
-    # -inf and out 0, as the varlen op gives them
-    t = torch.arange(total_q, device=dev)
-    b = torch.searchsorted(cu_seqlens_q[1:].long(), t, right=True).clamp(max=max(B - 1, 0))
+    # packed row t: sequence b, padded row t - starts[b] + pad[b]; rows outside every sequence: lse -inf and out 0,
+    # as the varlen op gives them
+    t, b = packed_rows(cu_seqlens_q, total_q)
     row = (t - starts[b] + pad[b]).clamp(0, max(Mq - 1, 0))
     inside = (t >= starts[b]) & (t - starts[b] < lens_q[b])
     out = torch.where(inside[:, None, None], out_block[b, row], 0.0)[..., :head_dim]
@@ -418,9 +417,9 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
             dst.copy_(g[..., :head_dim])
     rowsum = (dout.float() * out.float()).sum(-1).transpose(0, 1)  # (nheads, total_q)
     batch, total_q = cu_seqlens_q.numel() - 1, q.size(0)
-    seq = torch.searchsorted(cu_seqlens_q[1:].long(), torch.arange(total_q, device=q.device), right=True)
+    t, seq = packed_rows(cu_seqlens_q, total_q)
     softmax_d = rowsum.new_zeros(rowsum.size(0), total_q + 128 * batch)
-    softmax_d[:, torch.arange(total_q, device=q.device) + 128 * seq.clamp(max=max(batch - 1, 0))] = rowsum
+    softmax_d[:, t + 128 * seq] = rowsum
     return softmax_d
 
 

@@ -166,6 +166,15 @@ def float_arg(value, name, fn, default=None, float32=False) -> float:
     return out
 
 
+def packed_rows(cu_seqlens, total):
+    """(t, b): the rows 0 .. total - 1 of a packed batch and the sequence each lies in by cu_seqlens (batch + 1
+    offsets); rows past the last sequence count as the last one's (callers mask them by its length). Device ops
+    only, no sync."""
+    t = torch.arange(total, device=cu_seqlens.device)
+    b = torch.searchsorted(cu_seqlens[1:].long(), t, right=True).clamp(max=max(cu_seqlens.numel() - 2, 0))
+    return t, b
+
+
 def maybe_contiguous(x):
     """x with a contiguous last dimension (a copy only where it has none), as flash-attn's helper of that name: the
     kernels read unit-stride rows, the Python entry points accept any strides."""

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ..ops import packed_rows
+
 __all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_torch", "rotate_half", "rotate_rows"]
 
 
@@ -71,10 +73,8 @@ def _positions(x, seqlen_offsets, cu_seqlens, max_seqlen):
         batch, seqlen = x.shape[:2]
         pos = torch.arange(seqlen, device=dev).expand(batch, seqlen)
         return pos + (offsets[:, None] if isinstance(offsets, torch.Tensor) else offsets)
-    total = x.shape[0]
     starts = cu_seqlens.to(dev, torch.long)
-    t = torch.arange(total, device=dev)
-    b = torch.searchsorted(starts[1:], t, right=True).clamp(max=max(starts.numel() - 2, 0))
+    t, b = packed_rows(starts, x.shape[0])
     pos = t - starts[b] + (offsets[b] if isinstance(offsets, torch.Tensor) else offsets)
     return pos.unsqueeze(0)
 
