@@ -250,6 +250,54 @@ def test_variant_backward_64_row_steps_cuda(request, monkeypatch, variant, shape
     assert not ran.endswith(" m80"), ran
 
 
+SCORE_MOD_VARIANTS = ["softcap5", "softcap50_causal", "alibi_batch_causal", "alibi_window", "all"]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("wide", ["1", "0"])
+@pytest.mark.parametrize("variant", SCORE_MOD_VARIANTS)
+@pytest.mark.parametrize("shape", [GPU_SHAPES[1], GPU_SHAPES[3], (2, 4, 2, 211, 300, 64)],
+                         ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_score_mod_backward_step_widths_cuda(request, monkeypatch, wide, variant, shape, dtype):
+    """The Hopper score-mod backward at head-dim tiles 96 and 128 on 80-row steps (the default) and on 64-row
+    steps (FLASHCORE_BWD_WIDE_STEPS=0), and at head dim 64 on 128-row steps (either setting): the wider steps
+    read the lse from shared memory after the score transform."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the step widths are sm90's")
+    monkeypatch.setenv("FLASHCORE_FORCE_BWD", "sm90")
+    monkeypatch.setenv("FLASHCORE_BWD_WIDE_STEPS", wide)
+    q, k, v, kw, ref = make_case(request, "cuda", dtype, *shape, VARIANTS[variant])
+    run_backward(q, k, v, kw, ref)
+    ran = assert_ran("bwd", "sm90")
+    assert " mod" in ran, ran
+    assert ran.endswith(" m80") == (wide == "1" and shape[-1] in (96, 128)), ran
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("wide", ["1", "0"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_softcap_backward_saturated_cuda(request, monkeypatch, wide, head_dim):
+    """Gradients where tanh saturates (scores far beyond the cap: a derivative near 0, a whole head of equal
+    logits) beside ordinary heads, on the 64-, 80- and 128-row score-mod steps."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the step widths are sm90's")
+    monkeypatch.setenv("FLASHCORE_FORCE_BWD", "sm90")
+    monkeypatch.setenv("FLASHCORE_BWD_WIDE_STEPS", wide)
+    g = make_generator(request, "cuda")
+    B, H, S = 1, 4, 333
+    q = torch.randn(B, H, S, head_dim, generator=g, device="cuda") * 4
+    k = torch.randn(B, H, S, head_dim, generator=g, device="cuda") * 4
+    q[:, 1] = q[:, 1].abs()
+    k[:, 1] = -k[:, 1].abs()  # head 1: every score far below -cap
+    v = torch.randn(B, H, S, head_dim, generator=g, device="cuda")
+    q, k, v = (t.bfloat16() for t in (q, k, v))
+    kw = ref = {"softcap": 10.0}
+    run_backward(q, k, v, dict(kw), dict(ref))
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("scale", [0.0, -0.3])

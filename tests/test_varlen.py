@@ -333,13 +333,12 @@ def test_varlen_backward_cuda(request, bwd_path, variant, head_dim, dtype):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("variant", ["dense", "causal", "window_causal", "alibi"])
+@pytest.mark.parametrize("variant", ["dense", "causal", "window_causal", "alibi", "softcap"])
 @pytest.mark.parametrize("steps", ["default", "narrow"])
 def test_varlen_backward_gqa_tile_edges_cuda(request, monkeypatch, bwd_path, variant, steps):
     """GQA 8/2 at head dim 128, lengths around the key block (128) and the query steps (64 and 80), sequences
     whose tails share boxes with the next sequence's first rows: each sequence's gradients alone. sm90 runs its
-    80-row kernel by default and its 64-row one with FLASHCORE_BWD_WIDE_STEPS=0 (ALiBi: the score-mod kernel,
-    64 rows either way)."""
+    80-row kernels by default (ALiBi: the score-mod one) and its 64-row ones with FLASHCORE_BWD_WIDE_STEPS=0."""
     if steps == "narrow":
         monkeypatch.setenv("FLASHCORE_BWD_WIDE_STEPS", "0")
     lens_q = [64, 65, 127, 129, 1, 256, 63, 200, 80, 81, 160, 79]
@@ -348,7 +347,7 @@ def test_varlen_backward_gqa_tile_edges_cuda(request, monkeypatch, bwd_path, var
                                         VARIANTS[variant])
     run_backward(q, k, v, cu_q, cu_k, kw)
     ran = assert_ran("bwd", bwd_path)
-    wide = bwd_path == "sm90" and steps == "default" and variant != "alibi"
+    wide = bwd_path == "sm90" and steps == "default"
     assert ran.endswith("varlen m80") == wide, ran
 
 

@@ -10,7 +10,7 @@
 //   kRows: each takes 64 of a 128-row step's queries over all keys and every column (head dim 64);
 //   kKeys: each takes its own 64 keys, every row and column; the two partial sums meet in the fp32 accumulator,
 //     so a warpgroup never reads the other's dS^T and they need not meet each step, but the TMA reductions carry
-//     twice the bytes (the score-mod kernels at head dim 64, whose steps are 64 rows: BwdSm90Traits).
+//     twice the bytes (no kernel takes it now; BwdSm90Traits falls back to it for kRows at 64-row steps).
 // kColumns and kRows read both warpgroups' dS^T: one consumer barrier a step.
 // Head dim 256 does not fit that way (dK + dV alone would be 256 registers a thread): its two warpgroups share
 // the block's 64 keys and split the head dim (BwdSm90Traits::kSplitHeadDim). Its shared memory (K, V, two Q
@@ -38,8 +38,8 @@ template <> struct BwdSm90Config<128> {
   // and by rows only where dQ is one 64-column GEMM (head dim 64).
   static constexpr DqSplit kDqSplit = DqSplit::kColumns;
   static constexpr int kProducerRegs = 24, kConsumerRegs = 240;
-  // The plain kernel takes 80-row steps (BwdSm90Traits::kWideSteps): shared memory K, V 64 KiB + 2 x (Q, dO)
-  // 80 KiB + 2 dS 40 KiB + dQ staging 40 KiB, 226 KiB with the rest.
+  // The plain and score-mod kernels take 80-row steps (BwdSm90Traits::kWideSteps): shared memory K, V 64 KiB +
+  // 2 x (Q, dO) 80 KiB + 2 dS 40 KiB + dQ staging 40 KiB, 226 KiB with the rest.
   static constexpr int kWideBlockM = 80;
 };
 // Head dim 96 runs the 128-wide tiles with narrower GEMMs (bwd_sm90_traits.cuh): same shapes as 128.

@@ -118,6 +118,15 @@ __device__ __forceinline__ void load_query_pairs(const float* values, int col0, 
   for (int ni = 0; ni < kQTiles; ++ni) out[ni] = *reinterpret_cast<const float2*>(values + col0 + ni * 8 + 2 * t);
 }
 
+// The same pairs read from shared memory where they are used (pairs[ni]), for code that has no registers to hold
+// them all ahead.
+struct StagedQueryPairs {
+  const float2* first;  // this thread's pair of n8 tile 0
+  __device__ __forceinline__ StagedQueryPairs(const float* values, int col0, int t)
+      : first(reinterpret_cast<const float2*>(values + col0 + 2 * t)) {}
+  __device__ __forceinline__ float2 operator[](int ni) const { return first[4 * ni]; }
+};
+
 // P^T in place of S^T (kQTiles n8 tiles of this thread's accumulator rows, keys key_lo and key_lo + 8; query
 // columns col0 + 8 ni + 2t (+1) of the step, their lse in log2 units from load_query_pairs): masked entries -> 0.
 // Scale, mask and exp2 are three passes: with the mask inside the exp2 loop, every element carried a branch and a
@@ -126,10 +135,10 @@ __device__ __forceinline__ void load_query_pairs(const float* values, int col0, 
 // kScoreMod (the score-mod variant, score_mod.h): the scores become logits first (softcap, ALiBi), and dtanh
 // receives each element's 1 - tanh^2 for dscores_t, packed as fp16 pairs (in [0, 1], 2^-11 relative: below the
 // rounding of dS itself; fp32 would cost the consumers 2 x kQTiles registers they do not have and spill); otherwise
-// the scale is one FFMA with the lse.
-template <int kQTiles, bool kScoreMod>
+// the scale is one FFMA with the lse. LsePairs: load_query_pairs' registers, or StagedQueryPairs.
+template <int kQTiles, bool kScoreMod, typename LsePairs>
 __device__ __forceinline__ void probabilities_t(float (&s)[4 * kQTiles], uint32_t (&dtanh)[2 * kQTiles],
-                                                const float2 (&lse_log2)[kQTiles], const BwdParams& p,
+                                                const LsePairs& lse_log2, const BwdParams& p,
                                                 const ScoreMod& mod, const Band& band, int m0, int col0, int key_lo,
                                                 bool needs_mask, int t) {
   if constexpr (kScoreMod) cuda::apply_score_mod_transposed<kQTiles>(s, dtanh, key_lo, m0 + col0 + 2 * t, mod);
@@ -382,22 +391,29 @@ __device__ __forceinline__ void consume_bwd(const BwdParams& p, const BwdBlock& 
     float next_stat[BwdRowStats<Traits>::kPer];
     if (step + 1 < blk.steps) row_stats.load(cursor.next(), next_stat);
     const float* stats = row_stats.buffer(step & 1);
+    // dV needs only P: with 64-row steps it goes to the tensor cores behind dP^T and runs while dS is computed.
+    // With 80- and 128-row steps P, dP and P's fragments would not fit in registers together: dV waits for dS.
+    constexpr bool kDvBeforeDs = kBlockM == 64;
     // The lse loaded before the wait for S^T, so that its shared-memory latency runs under the GEMM (ncu, loaded
     // after it: short-scoreboard stalls on the exp2 FFMAs, ~5 % of the 80-row kernel's samples; the 128-row
     // kernels 4-5 % slower at 2k head dim 64). dsum waits for dP^T: loaded before that wait, the 80- and 128-row
-    // kernels spill 20-28 B.
+    // kernels spill 20-28 B. The score-mod variant's steps wider than 64 rows read the lse pairs from shared
+    // memory where they are used, after the score transform: held across it beside P, dP^T and the softcap
+    // derivative's fp16 pairs, they spilled (docs/PERFORMANCE.md, ablation).
+    constexpr bool kStagedLse = Traits::kScoreMod && !kDvBeforeDs;
     float2 lse[kQTiles], dsum_q[kQTiles];
-    load_query_pairs<kQTiles>(stats, 0, t, lse);
+    if constexpr (!kStagedLse) load_query_pairs<kQTiles>(stats, 0, t, lse);
     ptx::wgmma_wait<1>();
     ptx::fence_operand(s);
     const bool needs_mask = !unmasked.contains(cursor.m_index);
     uint32_t dtanh[kSVals / 2];  // score-mod variant only: 1 - tanh^2, fp16 pairs
     ScoreMod mod;
     if constexpr (Traits::kScoreMod) mod = step_score_mod<Traits>(p, blk, cursor.head);
-    probabilities_t<kQTiles, Traits::kScoreMod>(s, dtanh, lse, p, mod, band, m0, 0, key_lo, needs_mask, t);
-    // dV needs only P: with 64-row steps it goes to the tensor cores behind dP^T and runs while dS is computed.
-    // With 128-row steps P, dP and P's fragments would not fit in registers together: dV waits for dS.
-    constexpr bool kDvBeforeDs = kBlockM == 64;
+    if constexpr (kStagedLse)
+      probabilities_t<kQTiles, true>(s, dtanh, StagedQueryPairs(stats, 0, t), p, mod, band, m0, 0, key_lo,
+                                     needs_mask, t);
+    else
+      probabilities_t<kQTiles, Traits::kScoreMod>(s, dtanh, lse, p, mod, band, m0, 0, key_lo, needs_mask, t);
     uint32_t pa[kQSteps][4], dsa[kQSteps][4];
     auto issue_dv = [&] {
       ptx::wgmma_fence();

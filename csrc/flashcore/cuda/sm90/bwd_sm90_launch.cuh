@@ -25,11 +25,11 @@ constexpr cuda::DqAccumLayout kBwdDqAccum = {/*cols_exact=*/true, /*unscaled=*/t
 
 // The entry's shared memory (BwdKernelEntry::smem_bytes, checked against the device's limit): the most any of its
 // kernels takes (dense and varlen, 64-row and wide-step).
-// Whether an entry has wide-step kernels (BwdSm90Traits::kWideSteps): the plain variant of a head dim with
-// BwdSm90Config::kWideBlockM.
-template <int kHeadDim, bool kScoreMod>
+// Whether an entry has wide-step kernels (BwdSm90Traits::kWideSteps): the plain and score-mod variants of a head
+// dim with BwdSm90Config::kWideBlockM.
+template <int kHeadDim>
 constexpr bool has_wide_steps() {
-  return !kScoreMod && BwdSm90Config<kHeadDim>::kWideBlockM > 0;
+  return BwdSm90Config<kHeadDim>::kWideBlockM > 0;
 }
 
 template <int kHeadDim, typename Element, bool kScoreMod>
@@ -37,8 +37,8 @@ constexpr int bwd_smem_bytes() {
   constexpr int kDense = BwdSm90Traits<kHeadDim, Element, kScoreMod>::kSmemBytes;
   constexpr int kVarlen = BwdSm90Traits<kHeadDim, Element, kScoreMod, true>::kSmemBytes;
   constexpr int kNarrow = kDense > kVarlen ? kDense : kVarlen;
-  if constexpr (has_wide_steps<kHeadDim, kScoreMod>()) {
-    constexpr int kWide = BwdSm90Traits<kHeadDim, Element, false, true, true>::kSmemBytes;  // varlen: the larger
+  if constexpr (has_wide_steps<kHeadDim>()) {
+    constexpr int kWide = BwdSm90Traits<kHeadDim, Element, kScoreMod, true, true>::kSmemBytes;  // varlen: the larger
     return kWide > kNarrow ? kWide : kNarrow;
   } else {
     return kNarrow;
@@ -116,9 +116,9 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
 // The entry's query rows a step of its wide-step kernels (BwdKernelEntry::wide_block_m), or 0 where it has none.
 template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr int bwd_wide_block_m() {
-  if constexpr (has_wide_steps<kHeadDim, kScoreMod>()) {
+  if constexpr (has_wide_steps<kHeadDim>()) {
     // The host pads dq_accum to this; the launcher and the dQ writer walk it by the kernel's own kBlockM.
-    static_assert(BwdSm90Traits<kHeadDim, Element, false, false, true>::kBlockM ==
+    static_assert(BwdSm90Traits<kHeadDim, Element, kScoreMod, false, true>::kBlockM ==
                   BwdSm90Config<kHeadDim>::kWideBlockM);
     return BwdSm90Config<kHeadDim>::kWideBlockM;
   } else {
@@ -167,8 +167,8 @@ void launch_bwd_varlen(const BwdParams& p, const float* dsum, float* dq_accum, c
 // (no fragment order, BwdSm90Traits::kDqFragmentOrder) rows of exactly head_dim columns, as the other kernels'.
 template <int kHeadDim, typename Element, bool kScoreMod>
 constexpr cuda::DqAccumLayout bwd_wide_dq_accum() {
-  if constexpr (has_wide_steps<kHeadDim, kScoreMod>()) {  // the traits exist only for head dims with wide steps
-    using Traits = BwdSm90Traits<kHeadDim, Element, false, false, true>;
+  if constexpr (has_wide_steps<kHeadDim>()) {  // the traits exist only for head dims with wide steps
+    using Traits = BwdSm90Traits<kHeadDim, Element, kScoreMod, false, true>;
     if constexpr (Traits::kDqFragmentOrder)
       return {/*cols_exact=*/false, /*unscaled=*/true, /*fragment_rows=*/Traits::kBlockM};
   }
@@ -178,12 +178,12 @@ constexpr cuda::DqAccumLayout bwd_wide_dq_accum() {
 // The entry's wide-step launcher, dense (BwdKernelEntry::launch_wide) or varlen (launch_varlen_wide), or nullptr.
 template <int kHeadDim, typename Element, bool kScoreMod, bool kVarlen>
 constexpr cuda::BwdLaunchFn bwd_wide_launcher() {
-  if constexpr (!has_wide_steps<kHeadDim, kScoreMod>())
+  if constexpr (!has_wide_steps<kHeadDim>())
     return nullptr;
   else if constexpr (kVarlen)
-    return &launch_bwd_varlen<kHeadDim, Element, false, true>;
+    return &launch_bwd_varlen<kHeadDim, Element, kScoreMod, true>;
   else
-    return &launch_bwd<kHeadDim, Element, false, true>;
+    return &launch_bwd<kHeadDim, Element, kScoreMod, true>;
 }
 
 }  // namespace flashcore::sm90

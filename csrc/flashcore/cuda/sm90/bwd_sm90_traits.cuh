@@ -29,8 +29,7 @@ struct BwdSm90Traits {
   static constexpr bool kVarlen = kVarlen_;
   static constexpr bool kWideSteps = kWideSteps_;
   using Config = BwdSm90Config<kHeadDim_>;
-  static_assert(!kWideSteps || (Config::kWideBlockM > 0 && !kScoreMod),
-                "wide steps: the plain kernel of a head dim that has them");
+  static_assert(!kWideSteps || Config::kWideBlockM > 0, "wide steps: a head dim that has them");
   // kHeadDim is the width the GEMMs compute; the shared-memory tiles are whole 64-element swizzle spans
   // (kTileCols). Head dim 96 keeps the 128-wide tiles: S^T and dP^T take 6 k-steps, dV and dK are n96, and the
   // second warpgroup's dQ chunk (columns 64..127) computes zeros past 96 that the dQ reduction drops.
@@ -43,10 +42,9 @@ struct BwdSm90Traits {
   static constexpr bool kSplitHeadDim = kHeadDim > 128;
   static constexpr int kBlockN = kSplitHeadDim ? 64 : 64 * kWarpgroups;       // keys of a block
   static constexpr int kWgCols = kSplitHeadDim ? kHeadDim / kWarpgroups : kHeadDim;  // dK/dV columns a warpgroup
-  // Query rows of one step. The score-mod variant keeps 64-row steps at head dim 64 too: 128-row steps hold twice
-  // the S^T, dP^T and softcap-derivative registers, which spilled 1 KB there.
-  static constexpr int kBlockM =
-      kWideSteps ? Config::kWideBlockM : kScoreMod && Config::kBlockM > 64 ? 64 : Config::kBlockM;
+  // Query rows of one step, the same for the plain and score-mod variants (the latter's wider steps read the lse
+  // where it is used: bwd_sm90_consumer.cuh).
+  static constexpr int kBlockM = kWideSteps ? Config::kWideBlockM : Config::kBlockM;
   static_assert(kBlockM == 64 || kBlockM == 128 || (kWideSteps && kBlockM == 80),
                 "a step is one or two m64 query tiles, or 80 rows with dQ transposed");
   // dQ^T = K^T dS^T: the warpgroups split dQ by head-dim columns (M of the transposed GEMM), all rows as N.
@@ -71,8 +69,8 @@ struct BwdSm90Traits {
   // dQ = dS K of the step is split between the warpgroups by head-dim columns, query rows or keys
   // (Config::kDqSplit, bwd_sm90_config.cuh). Split head dim: by columns, kDqChunks 64-column chunks a warpgroup,
   // one after the other through its staging tile.
-  // By rows needs one m64 query tile a warpgroup: where a step is 64 rows (the score-mod variant at head dim
-  // 64), those kernels split by keys.
+  // By rows needs one m64 query tile a warpgroup: a kernel whose steps are 64 rows splits by keys instead (none
+  // now: the score-mod variant at head dim 64 took 64-row steps until its lse moved out of registers).
   static constexpr bool kDqSplitRows = Config::kDqSplit == DqSplit::kRows && kBlockM == 64 * kWarpgroups;
   static constexpr bool kDqSplitKeys = Config::kDqSplit == DqSplit::kKeys ||
                                        (Config::kDqSplit == DqSplit::kRows && !kDqSplitRows);
