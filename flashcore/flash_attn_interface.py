@@ -26,7 +26,8 @@ from typing import Optional
 import torch
 
 from .layers.rotary import rotate_rows
-from .ops import _check_tensor, float_arg, maybe_contiguous, packed_rows, pad_head_dim, window_pair
+from .ops import (_check_tensor, _float32_vector, flag_arg, float_arg, int_arg, maybe_contiguous, packed_rows,
+                  pad_head_dim, window_pair)
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
@@ -101,6 +102,9 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
             raise RuntimeError(f"{fn}: {name} must be 4-D (batch, seqlen, nheads, headdim); got {t.dim()}-D with "
                                f"shape {tuple(t.shape)}")
     _check_dropout(dropout_p, fn)
+    causal, deterministic = flag_arg(causal, "causal", fn), flag_arg(deterministic, "deterministic", fn)
+    return_attn_probs = flag_arg(return_attn_probs, "return_attn_probs", fn)
+    sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
     left, right = _flash_window(*window_pair(window_size, fn), causal, q.size(1), k.size(1), fn)
     softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
@@ -160,12 +164,18 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
             raise RuntimeError(f"{fn}: {name} must be {want}-D ({shape}; got {t.dim()}-D with shape "
                                f"{tuple(t.shape)}")
     _check_dropout(dropout_p, fn)
-    left, right = _flash_window(*window_pair(window_size, fn), causal, int(max_seqlen_q), int(max_seqlen_k),
-                                fn)
+    max_seqlen_q, max_seqlen_k = int_arg(max_seqlen_q, "max_seqlen_q", fn), int_arg(max_seqlen_k, "max_seqlen_k", fn)
+    causal, deterministic = flag_arg(causal, "causal", fn), flag_arg(deterministic, "deterministic", fn)
+    return_attn_probs = flag_arg(return_attn_probs, "return_attn_probs", fn)
+    sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
+    if seqused_k is not None:
+        _check_tensor(seqused_k, "seqused_k", fn)
+    left, right = _flash_window(*window_pair(window_size, fn), causal, max_seqlen_q, max_seqlen_k, fn)
     softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
     if block_table is not None:
+        _check_paged_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, fn)
         return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
                              left, right, softcap, alibi_slopes, sinks, seqused_k, return_attn_probs)
     (q, k, v), head_dim = pad_head_dim([q, k, v])
@@ -184,7 +194,9 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     queries are placed at the END of a (batch, max_seqlen_q) block (left padding), so the op's bottom-right alignment
     to the block's length is each sequence's own; the rows are gathered back into the packed layout. Index
     arithmetic only, on the device: no sync."""
-    B, Mq, total_q = cu_seqlens_q.numel() - 1, int(max_seqlen_q), q.size(0)
+    # No sequence has more queries than q has rows: a larger max_seqlen_q would only pad the block.
+    B, total_q = cu_seqlens_q.numel() - 1, q.size(0)
+    Mq = min(int(max_seqlen_q), max(total_q, 1))
     dev = q.device
     starts = cu_seqlens_q[:-1].long()
     lens_q = (cu_seqlens_q[1:].long() - starts).clamp(0, Mq)  # the varlen kernels' rule: at most max_seqlen_q
@@ -428,16 +440,80 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def _check_index(t, name, fn, q, dims=1):
-    """An int32 index tensor on q's device with batch rows (the op checks these too, but only after the append)."""
+def _check_index(t, name, fn, q, dims=1, rows=None, what=None):
+    """An int32 index tensor on q's device with `rows` rows (default q.size(0), the batch); `what` describes its
+    shape in the message (the op checks these too, but after the append, and under its own names)."""
     _check_tensor(t, name, fn)
     if t.dtype != torch.int32:
         raise RuntimeError(f"{fn}: {name} must be int32 (torch.int32); got {t.dtype}")
     if t.device != q.device:
         raise RuntimeError(f"{fn}: {name} is on {t.device} but q is on {q.device}")
-    if t.dim() != dims or t.size(0) != q.size(0):
-        want = "(batch,)" if dims == 1 else "(batch, max_num_blocks_per_seq)"
-        raise RuntimeError(f"{fn}: {name} must have shape {want} with batch = {q.size(0)}; got {tuple(t.shape)}")
+    rows = q.size(0) if rows is None else rows
+    if t.dim() != dims or t.size(0) != rows:
+        want = what or ("(batch,)" if dims == 1 else "(batch, max_num_blocks_per_seq)")
+        raise RuntimeError(f"{fn}: {name} must have shape {want} with {rows} rows; got {tuple(t.shape)}")
+
+
+def _check_paged_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, fn):
+    """The varlen op's argument checks for the paged prefill, which runs on the KV-cache op instead: offsets int32,
+    1-D, batch + 1 long, on q's device; max_seqlen at least 1; on the CPU (no sync there) also the offsets' values."""
+    batch = cu_seqlens_q.numel() - 1 if isinstance(cu_seqlens_q, torch.Tensor) and cu_seqlens_q.dim() == 1 else 0
+    for t, name in ((cu_seqlens_q, "cu_seqlens_q"), (cu_seqlens_k, "cu_seqlens_k")):
+        _check_index(t, name, fn, q, rows=max(batch + 1, 1), what="(batch + 1,)")
+    if seqused_k is not None:
+        _check_index(seqused_k, "seqused_k", fn, q, rows=batch, what="(batch,)")
+    for value, name in ((max_seqlen_q, "max_seqlen_q"), (max_seqlen_k, "max_seqlen_k")):
+        int_arg(value, name, fn, minimum=1)
+    if q.is_cuda or torch.compiler.is_compiling():
+        return
+    for cu, name, total in ((cu_seqlens_q, "cu_seqlens_q", q.size(0)), (cu_seqlens_k, "cu_seqlens_k", None)):
+        lens = cu[1:] - cu[:-1]
+        if int(cu[0]) < 0 or (lens.numel() and int(lens.min()) < 0):
+            raise RuntimeError(f"{fn}: {name} must start at 0 or more and never decrease; got {cu.tolist()}")
+        if total is not None and int(cu[-1]) > total:
+            raise RuntimeError(f"{fn}: {name}[-1] = {int(cu[-1])} exceeds the {total} rows of q")
+    longest = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if batch else 0
+    if longest > max_seqlen_q:
+        raise RuntimeError(f"{fn}: a sequence has {longest} queries, more than max_seqlen_q = {max_seqlen_q}")
+
+
+def _check_before_append(q, k_cache, v_cache, seqlens, num_new, capacity, block_table, cache_batch_idx,
+                         cache_leftpad, softmax_scale, causal, left, right, softcap, sinks, alibi_slopes, num_splits,
+                         fn):
+    """What the KV-cache op would refuse, checked before the new keys and values are written into the caches: the
+    op checks only after the append, and a call that raises must leave the caches as they were (flash-attn checks
+    before it writes). Everything that needs no index values is checked here; on the CPU, where reading them costs
+    no sync, the op's own checks run on zero query rows (the lengths as they will be after the append). On a GPU
+    the values are not read: the kernels clamp to the caches whatever they say."""
+    B, _, Hq, D = q.shape
+    Hkv = k_cache.size(2)
+    dtypes = (torch.float16, torch.bfloat16) if q.is_cuda else (torch.float16, torch.bfloat16, torch.float32,
+                                                                 torch.float64)
+    if q.dtype not in dtypes:
+        raise RuntimeError(f"{fn}: q has dtype {q.dtype}; the {q.device.type.upper()} kernels take "
+                           f"{', '.join(str(d) for d in dtypes)}")
+    if Hkv == 0 or Hq % Hkv:
+        raise RuntimeError(f"{fn}: q's nheads ({Hq}) must be a multiple of the cache's nheads_k ({Hkv})")
+    if D > 256:
+        raise RuntimeError(f"{fn}: head dim {D} is not supported; at most 256")
+    for t, name, batched in ((sinks, "sinks", False), (alibi_slopes, "alibi_slopes", True)):
+        if t is not None and (t.dtype != torch.float32 or t.device != q.device
+                              or not (tuple(t.shape) == (Hq,) or (batched and tuple(t.shape) == (B, Hq)))):
+            shapes = f"({Hq},)" + (f" or ({B}, {Hq})" if batched else "")
+            raise RuntimeError(f"{fn}: {name} must be float32 of shape {shapes} on q's device; got {t.dtype} of "
+                               f"shape {tuple(t.shape)} on {t.device}")
+    if not (math.isfinite(softcap) and softcap >= 0):
+        raise RuntimeError(f"{fn}: softcap must be finite and >= 0 (0: off); got {softcap}")
+    if block_table is None and cache_batch_idx is None and k_cache.size(0) < B:
+        raise RuntimeError(f"{fn}: k_cache has {k_cache.size(0)} rows but the batch has {B} entries; pass "
+                           "cache_batch_idx to map entries to cache rows")
+    if not 0 <= num_splits <= 256:
+        raise RuntimeError(f"{fn}: num_splits must be in [0, 256] (0: automatic); got {num_splits}")
+    if not q.is_cuda and not torch.compiler.is_compiling():
+        after = torch.clamp(seqlens + num_new, max=capacity)
+        _kvcache_fwd_op(q[:, :0], k_cache, v_cache, after, block_table, cache_batch_idx, cache_leftpad,
+                        float(softmax_scale), bool(causal), left, right, float(softcap), sinks, alibi_slopes,
+                        num_splits)
 
 
 def _apply_rotary(x, cos, sin, positions, interleaved):
@@ -617,6 +693,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                 raise RuntimeError(f"{fn}: {name} must be a floating-point tensor on q's device ({q.device}); got "
                                    f"{t.dtype} on {t.device}")
 
+    causal, rotary_interleaved = flag_arg(causal, "causal", fn), flag_arg(rotary_interleaved, "rotary_interleaved", fn)
+    return_softmax_lse = flag_arg(return_softmax_lse, "return_softmax_lse", fn)
     left, right = window_pair(window_size, fn)
     if causal:
         right = 0
@@ -647,7 +725,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         q = _apply_rotary(q, rotary_cos, rotary_sin, pos_q.clamp(0, last), rotary_interleaved)
         k = _apply_rotary(k, rotary_cos, rotary_sin, pos_k, rotary_interleaved)
 
+    sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
+    num_splits = int_arg(num_splits, "num_splits", fn)
     if Sn > 0 and B > 0:
+        _check_before_append(q, k_cache, v_cache, seqlens, Sn, capacity, block_table, cache_batch_idx, cache_leftpad,
+                             softmax_scale, causal, left, right, softcap, sinks, alibi_slopes, num_splits, fn)
         # The cache is state, not part of the autograd graph (flash-attn's kernel writes it directly): no history
         # accumulates across decode steps, and a cache that requires grad may be written.
         with torch.no_grad():
@@ -658,7 +740,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
 
     (qp, kc, vc), head_dim = pad_head_dim([q, k_cache, v_cache])  # CUDA, head dim not a multiple of 8: copies
     out, lse = _kvcache_fwd_op(qp, kc, vc, seqlens, block_table, cache_batch_idx, cache_leftpad, float(softmax_scale),
-                               bool(causal), left, right, float(softcap), sinks, alibi_slopes, int(num_splits))
+                               bool(causal), left, right, float(softcap), sinks, alibi_slopes, num_splits)
     if out.size(-1) != head_dim:
         out = out[..., :head_dim]
     return (out, lse) if return_softmax_lse else out

@@ -8,6 +8,7 @@ graphs.
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -122,6 +123,8 @@ _varlen_fwd_op = torch.ops.flashcore.varlen_fwd.default
 
 
 _MAX_HEAD_DIM = 256  # the kernels' largest head dim (attention_host.cpp's limits, every family)
+_INT32_MAX = 2**31 - 1  # the ops' lengths and offsets are int32
+_FLOAT32_FLOOR = 2.0**-80  # the smallest softcap magnitude the kernels take (float_arg)
 
 
 def _check_tensor(t, name, fn="flashcore.attention"):
@@ -145,7 +148,34 @@ def window_pair(window_size, fn) -> tuple[int, int]:
     except (TypeError, ValueError):
         raise TypeError(f"{fn}: window_size must be a pair (left, right) of ints, -1 for unbounded; got "
                         f"{window_size!r}") from None
-    return left, right
+    # A side longer than any sequence can be (2^31 - 1 tokens) hides no key: unbounded, and within the op's int64.
+    return tuple(-1 if x > _INT32_MAX else x for x in (left, right))
+
+
+def flag_arg(value, name, fn) -> bool:
+    """A bool argument (causal, deterministic, ...), or a TypeError naming it: a string such as 'no' would read as
+    True (flash-attn's and SDPA's schemas refuse it too). numpy's bool is taken."""
+    if isinstance(value, (bool, torch.SymBool)) or type(value).__name__ == "bool_":
+        return value
+    raise TypeError(f"{fn}: {name} must be a bool; got {value!r}")
+
+
+def int_arg(value, name, fn, minimum=None):
+    """An int argument (max_seqlen_q, num_splits, ...): a Python, numpy or 0-d integer tensor value as an int, or a
+    TypeError naming it (a float such as 5.9 is not truncated); below `minimum` or above 2^31 - 1 a RuntimeError,
+    as the op raises for its own checks."""
+    if isinstance(value, torch.SymInt):
+        return value
+    try:
+        if isinstance(value, (bool, float)):
+            raise TypeError
+        out = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{fn}: {name} must be an int; got {value!r}") from None
+    if (minimum is not None and out < minimum) or out > _INT32_MAX:
+        bound = f"in [{minimum}, 2^31 - 1]" if minimum is not None else "at most 2^31 - 1"
+        raise RuntimeError(f"{fn}: {name} must be {bound}; got {out}")
+    return out
 
 
 def float_arg(value, name, fn, default=None, float32=False) -> float:
@@ -161,8 +191,13 @@ def float_arg(value, name, fn, default=None, float32=False) -> float:
     except (TypeError, ValueError):
         raise TypeError(f"{fn}: {name} must be a float; got {value!r}") from None
     # Not under torch.compile: with dynamic shapes dynamo makes Python floats symbolic, which math cannot take.
-    if float32 and not torch.compiler.is_compiling() and math.isfinite(out) and abs(out) > 3.4e38:
-        raise ValueError(f"{fn}: {name}={value!r} is beyond float32's range, in which the kernels apply it")
+    if float32 and not torch.compiler.is_compiling() and math.isfinite(out):
+        if abs(out) > 3.4e38:
+            raise ValueError(f"{fn}: {name}={value!r} is beyond float32's range, in which the kernels apply it")
+        if 0.0 < abs(out) < _FLOAT32_FLOOR:
+            # Would round to 0 (no cap at all) or make scale / softcap infinite in float32; any cap this small gives
+            # logits of 0 to float32's precision, and so does the floor.
+            out = math.copysign(_FLOAT32_FLOOR, out)
     return out
 
 
@@ -181,9 +216,14 @@ def maybe_contiguous(x):
     return x.contiguous() if x is not None and x.dim() > 0 and x.stride(-1) != 1 else x
 
 
-def _float32_vector(t):
-    """sinks / alibi_slopes of another float dtype (a model.double()) as the float32 the op takes."""
-    return t.float() if t is not None and t.dtype != torch.float32 and t.is_floating_point() else t
+def _float32_vector(t, name, fn):
+    """sinks / alibi_slopes of another float dtype (a model.double()) as the float32 the op takes; a TypeError naming
+    the argument when it is no tensor (the op checks shape, dtype and device)."""
+    if t is None:
+        return t
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a float32 tensor or None; got {type(t).__name__}")
+    return t.float() if t.dtype != torch.float32 and t.is_floating_point() else t
 
 
 def _autocast(*tensors):
@@ -255,9 +295,8 @@ def attention(
         raise NotImplementedError("flashcore.attention: attn_mask is not supported; use is_causal or window_size")
     if dropout_p != 0.0:
         raise NotImplementedError("flashcore.attention: dropout_p must be 0 (dropout is not supported)")
-    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa)):
-        if not isinstance(flag, (bool, torch.SymBool)):
-            raise TypeError(f"flashcore.attention: {name} must be a bool; got {flag!r}")
+    for name, flag in (("is_causal", is_causal), ("enable_gqa", enable_gqa), ("deterministic", deterministic)):
+        flag_arg(flag, name, "flashcore.attention")
     for name, t in (("query", query), ("key", key), ("value", value)):
         if t.dim() < 2:
             raise RuntimeError(
@@ -300,7 +339,7 @@ def attention(
         )
     fn = "flashcore.attention"
     if sinks is not None or alibi_slopes is not None:
-        sinks, alibi_slopes = _float32_vector(sinks), _float32_vector(alibi_slopes)
+        sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
     left, right = window_pair(window_size, fn)
     if scale is None:
         softmax_scale = 1.0 / math.sqrt(qk_dim) if qk_dim > 0 else 1.0
@@ -390,7 +429,11 @@ def varlen_attention(
         _check_tensor(t, name, fn)
     query, key, value = _autocast(query, key, value)
     query, key, value = maybe_contiguous(query), maybe_contiguous(key), maybe_contiguous(value)
-    sinks, alibi_slopes = _float32_vector(sinks), _float32_vector(alibi_slopes)
+    sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
+    if seqused_k is not None:
+        _check_tensor(seqused_k, "seqused_k", fn)
+    max_seqlen_q, max_seqlen_k = int_arg(max_seqlen_q, "max_seqlen_q", fn), int_arg(max_seqlen_k, "max_seqlen_k", fn)
+    is_causal, deterministic = flag_arg(is_causal, "is_causal", fn), flag_arg(deterministic, "deterministic", fn)
     left, right = window_pair(window_size, fn)
     if scale is None:
         softmax_scale = 1.0 / math.sqrt(query.size(-1)) if query.size(-1) > 0 else 1.0

@@ -243,3 +243,91 @@ def test_fake_kernel_checks_shapes(case):
     with pytest.raises(RuntimeError, match=match):
         torch.ops.flashcore.fwd(*args, 0.3)
 
+
+
+def test_argument_types_of_the_flash_attn_interface():
+    """Flags are bools (a string such as 'no' would read as True), lengths ints (5.9 is not truncated, None is
+    named), vectors tensors; integer-valued numpy and 0-d tensors are taken as flash-attn's callers pass them."""
+    import numpy as np
+    from flashcore.flash_attn_interface import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attn_func(q, q, q, causal="no")
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flash_attn_func(q, q, q, deterministic="yes")
+    with pytest.raises(TypeError, match="alibi_slopes must be a float32 tensor"):
+        flash_attn_func(q, q, q, alibi_slopes=[0.1, 0.2])
+    with pytest.raises(TypeError, match="sinks must be a float32 tensor"):
+        flashcore.attention(*_qkv(), sinks=[0.0, 0.0])
+    qv = torch.randn(8, 2, 16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    for bad, match in ((None, "max_seqlen_q must be an int; got None"), (5.9, "max_seqlen_q must be an int"),
+                       ("5", "max_seqlen_q must be an int")):
+        with pytest.raises(TypeError, match=match):
+            flash_attn_varlen_func(qv, qv, qv, cu, cu, bad, 5)
+    want = flash_attn_varlen_func(qv, qv, qv, cu, cu, 5, 5)
+    for ok in (np.int64(5), torch.tensor(5)):
+        assert torch.equal(flash_attn_varlen_func(qv, qv, qv, cu, cu, ok, ok), want)
+    with pytest.raises(TypeError, match="seqused_k must be a torch.Tensor"):
+        flashcore.varlen_attention(qv, qv, qv, cu, cu, 5, 5, seqused_k=[3, 5])
+    kc = torch.randn(1, 8, 2, 16)
+    with pytest.raises(TypeError, match="num_splits must be an int"):
+        flash_attn_with_kvcache(q[:, :1], kc, kc, cache_seqlens=3, num_splits="a")
+    with pytest.raises(TypeError, match="rotary_interleaved must be a bool"):
+        flash_attn_with_kvcache(q[:, :1], kc, kc, cache_seqlens=3, rotary_interleaved="no")
+
+
+def test_windows_and_caps_at_the_limits_of_their_types():
+    """A window side beyond any sequence length (even past int64) is unbounded; a softcap too small for float32
+    caps every logit to ~0 (uniform attention), as the float64 definition does, instead of rounding to no cap."""
+    q, k, v = _qkv(Sq=6, Sk=6)
+    want = flashcore.attention(q, k, v)
+    for huge in (2**31, 2**63, 10**30):
+        assert torch.equal(flashcore.attention(q, k, v, window_size=(huge, huge)), want)
+    uniform = v.mean(dim=2, keepdim=True).expand_as(want)
+    for cap in (1e-46, 1e-30):
+        torch.testing.assert_close(flashcore.attention(q, k, v, softcap=cap), uniform, atol=1e-5, rtol=0)
+
+
+def test_kvcache_refused_call_leaves_the_cache_unchanged():
+    """flash_attn_with_kvcache checks everything before it appends the new k/v (flash-attn's order): a call that
+    raises has not written the caches, so the caller can fix the argument and call again."""
+    from flashcore.flash_attn_interface import flash_attn_with_kvcache
+    q = torch.randn(2, 1, 4, 16)
+    kc, vc = torch.randn(2, 8, 2, 16), torch.randn(2, 8, 2, 16)
+    k0, v0 = kc.clone(), vc.clone()
+    new = (torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16))
+    bad = [({"sinks": torch.randn(3)}, "sinks"), ({"alibi_slopes": torch.randn(2, 5)}, "alibi_slopes"),
+           ({"softcap": -1.0}, "softcap"), ({"cache_leftpad": torch.tensor([0, 9], dtype=torch.int32)},
+                                              "cache_leftpad"),
+           ({"cache_batch_idx": torch.tensor([0, 5], dtype=torch.int32)}, "cache_batch_idx"),
+           ({"num_splits": 300}, "num_splits")]
+    for kwargs, name in bad:
+        with pytest.raises((RuntimeError, TypeError), match=name):
+            flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=3, **kwargs)
+        assert torch.equal(kc, k0) and torch.equal(vc, v0), name
+    with pytest.raises(RuntimeError, match="nheads"):
+        flash_attn_with_kvcache(torch.randn(2, 1, 3, 16), kc, vc, *new, cache_seqlens=3)
+    assert torch.equal(kc, k0)
+    flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=3)
+    assert torch.equal(kc[:, 3], new[0][:, 0]) and torch.equal(vc[:, 3], new[1][:, 0])
+
+
+def test_paged_varlen_checks_its_offsets():
+    """flash_attn_varlen_func with block_table (run on the KV-cache op) checks cu_seqlens and max_seqlen as the
+    varlen op does, naming them (the CPU reads the offsets' values too)."""
+    from flashcore.flash_attn_interface import flash_attn_varlen_func
+    q, kc = torch.randn(8, 4, 16), torch.randn(4, 4, 4, 16)
+    bt = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32)
+    cu, ck = torch.tensor([0, 3, 8], dtype=torch.int32), torch.tensor([0, 4, 8], dtype=torch.int32)
+    cases = [((cu.long(), ck, 5, 4), "cu_seqlens_q must be int32"),
+             ((cu, ck[None], 5, 4), "cu_seqlens_k must have shape"),
+             ((cu, ck, 0, 4), "max_seqlen_q must be in \\[1"),
+             ((cu, ck, 2, 4), "more than max_seqlen_q = 2"),
+             ((torch.tensor([0, 3, 10], dtype=torch.int32), ck, 7, 4), "cu_seqlens_q\\[-1\\] = 10 exceeds"),
+             ((torch.tensor([0, 5, 3], dtype=torch.int32), ck, 5, 4), "never decrease")]
+    for args, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            flash_attn_varlen_func(q, kc, kc, *args, block_table=bt)
+    want = flash_attn_varlen_func(q, kc, kc, cu, ck, 5, 4, block_table=bt)
+    assert torch.equal(flash_attn_varlen_func(q, kc, kc, cu, ck, 10**9, 4, block_table=bt), want)  # no 10^9 rows

@@ -18,7 +18,7 @@ import flashcore
 
 from conftest import (UNIT_ROUNDOFF, capture_graph, check_close, cuda_skip_reason, lowp_attention, lowp_lse,
                       make_generator, reference_attention)
-from flashcore.flash_attn_interface import flash_attn_with_kvcache
+from flashcore.flash_attn_interface import _append, _append_slots, flash_attn_with_kvcache
 
 requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
 
@@ -264,8 +264,9 @@ def test_kvcache_cpu(request, case, dtype):
 
 @pytest.mark.parametrize("paged", [False, True])
 def test_kvcache_invalid_indices_are_not_written_cpu(request, paged):
-    """A token whose page (or cache row) is out of range is not written anywhere, in particular not to the page or
-    row the index is clamped to; the CPU op then refuses the index, so only the append can be checked here."""
+    """The CPU call refuses an out-of-range page (or cache row) before it writes anything; the append a GPU call
+    runs (which reads no index on the host) writes such a token nowhere, in particular not to the page or row the
+    index is clamped to."""
     inputs, kw = make_case(request, "cpu", torch.float32, B=3, Sq=2, Sn=2, Hq=2, Hkv=1, D=8, capacity=CAP,
                            lens=[7, 3, 15], page_size=8 if paged else None, batch_idx=not paged, causal=True)
     q, kc, vc = inputs
@@ -278,6 +279,11 @@ def test_kvcache_invalid_indices_are_not_written_cpu(request, paged):
     kc2, vc2 = kc.clone(), vc.clone()
     with pytest.raises(RuntimeError, match="block_table|cache_batch_idx"):
         flash_attn_with_kvcache(q, kc2, vc2, **kw)
+    assert torch.equal(kc2, kc) and torch.equal(vc2, vc)
+    capacity = kw["block_table"].size(1) * kc.size(1) if paged else kc.size(1)
+    slots = _append_slots(kw["cache_seqlens"], 2, capacity, kc2, kw.get("block_table"), kw.get("cache_batch_idx"))
+    _append(kc2, kw["k"], *slots)
+    _append(vc2, kw["v"], *slots)
     want_k, want_v = kc.clone(), vc.clone()
     for b in range(3):
         skip = dict(dropped).get(b, [])
