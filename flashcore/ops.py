@@ -111,10 +111,13 @@ def _kvcache_fwd_fake(query, *args, **kwargs):
 # Autograd: registered in C++ (csrc/flashcore/autograd.cpp) at the Autograd key; a Python autograd kernel would
 # add ~10 us of host time to every call. out's gradient goes through flashcore::bwd; lse is not differentiable;
 # fwd's deterministic=True or torch.use_deterministic_algorithms(True) selects the bitwise-reproducible backward.
+# Under torch.func transforms, which refuse C++ autograd Functions, attention() takes a Python node (functorch.py).
 # ----------------------------------------------------------------------------------------------------------------
 
 _fwd_op = torch.ops.flashcore.fwd.default
 _varlen_fwd_op = torch.ops.flashcore.varlen_fwd.default
+
+from .functorch import FunctorchAttention, transforms_active  # noqa: E402  (needs the ops registered above)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -347,8 +350,9 @@ def attention(
         softmax_scale = float_arg(scale, "scale", fn)
     softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
     (query, key, value), _ = pad_head_dim([query, key, value])
-    out, lse = _fwd_op(query, key, value, softmax_scale, bool(is_causal), False, left, right, softcap,
-                       bool(deterministic), sinks, alibi_slopes)
+    fwd = FunctorchAttention.apply if transforms_active() else _fwd_op  # torch.func: a Python autograd node
+    out, lse = fwd(query, key, value, softmax_scale, bool(is_causal), False, left, right, softcap, bool(deterministic),
+                   sinks, alibi_slopes)
     if out.size(-1) != v_dim:
         out = _dense_slice(out, v_dim)
     if rows_shape is not None:
