@@ -87,6 +87,16 @@ def _rng_state(q):
     return torch.zeros(2, dtype=torch.int64, device=q.device)
 
 
+def _check_kv_like_q(q, kv, fn):
+    """kv (the packed k and v) with q's dtype, device and head dim, named as the caller passed it (the op would name
+    key and value)."""
+    _check_tensor(q, "q", fn)
+    if kv.dtype != q.dtype or kv.device != q.device:
+        raise RuntimeError(f"{fn}: kv has dtype {kv.dtype} on {kv.device} but q has {q.dtype} on {q.device}")
+    if kv.size(-1) != q.size(-1):
+        raise RuntimeError(f"{fn}: kv has head dim {kv.size(-1)} but q has {q.size(-1)}")
+
+
 def _check_dropout(dropout_p, fn):
     if dropout_p:
         raise NotImplementedError(f"{fn}: dropout_p={dropout_p} is not supported (flashcore has no dropout); "
@@ -145,6 +155,7 @@ def flash_attn_kvpacked_func(q, kv, dropout_p=0.0, softmax_scale=None, causal=Fa
     if kv.dim() != 5 or kv.size(2) != 2:
         raise RuntimeError(f"flash_attn_kvpacked_func: kv must be (batch, seqlen_k, 2, nheads_k, headdim); got "
                            f"shape {tuple(kv.shape)}")
+    _check_kv_like_q(q, kv, "flash_attn_kvpacked_func")
     k, v = kv.unbind(2)
     return _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
                            deterministic, return_attn_probs, "flash_attn_kvpacked_func")
@@ -267,6 +278,10 @@ def flash_attn_varlen_qkvpacked_func(qkv, cu_seqlens, max_seqlen, dropout_p=0.0,
     _check_tensor(qkv, "qkv", fn)
     if qkv.dim() != 4 or qkv.size(1) != 3:
         raise RuntimeError(f"{fn}: qkv must be (total, 3, nheads, headdim); got shape {tuple(qkv.shape)}")
+    # The shared body names cu_seqlens_q / max_seqlen_q; the caller passed one of each.
+    _check_index(cu_seqlens, "cu_seqlens", fn, qkv, rows=cu_seqlens.numel() if isinstance(cu_seqlens, torch.Tensor)
+                 else 0, what="(batch + 1,)")
+    int_arg(max_seqlen, "max_seqlen", fn, minimum=1)
     q, k, v = qkv.unbind(1)
     return _varlen(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, deterministic, return_attn_probs, fn)
@@ -280,6 +295,7 @@ def flash_attn_varlen_kvpacked_func(q, kv, cu_seqlens_q, cu_seqlens_k, max_seqle
     _check_tensor(kv, "kv", fn)
     if kv.dim() != 4 or kv.size(1) != 2:
         raise RuntimeError(f"{fn}: kv must be (total_k, 2, nheads_k, headdim); got shape {tuple(kv.shape)}")
+    _check_kv_like_q(q, kv, fn)
     k, v = kv.unbind(1)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
                    window_size, softcap, alibi_slopes, deterministic, return_attn_probs, fn)

@@ -331,3 +331,21 @@ def test_paged_varlen_checks_its_offsets():
             flash_attn_varlen_func(q, kc, kc, *args, block_table=bt)
     want = flash_attn_varlen_func(q, kc, kc, cu, ck, 5, 4, block_table=bt)
     assert torch.equal(flash_attn_varlen_func(q, kc, kc, cu, ck, 10**9, 4, block_table=bt), want)  # no 10^9 rows
+
+
+def test_packed_functions_name_their_own_arguments():
+    """The packed functions' errors name what their caller passed (qkv's cu_seqlens and max_seqlen, kv), not the
+    unpacked names of the shared body."""
+    from flashcore.flash_attn_interface import (flash_attn_kvpacked_func, flash_attn_varlen_kvpacked_func,
+                                                flash_attn_varlen_qkvpacked_func)
+    qkv = torch.randn(8, 3, 2, 16)
+    cu = torch.tensor([0, 3, 8], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match="cu_seqlens must be int32"):
+        flash_attn_varlen_qkvpacked_func(qkv, cu.long(), 5)
+    with pytest.raises(RuntimeError, match="max_seqlen must be in"):
+        flash_attn_varlen_qkvpacked_func(qkv, cu, 0)
+    q = torch.randn(8, 2, 16)
+    with pytest.raises(RuntimeError, match="kv has dtype torch.float16"):
+        flash_attn_varlen_kvpacked_func(q, torch.randn(8, 2, 2, 16).half(), cu, cu, 5, 5)
+    with pytest.raises(RuntimeError, match="kv has head dim 8"):
+        flash_attn_kvpacked_func(q[None], torch.randn(1, 8, 2, 2, 8))
