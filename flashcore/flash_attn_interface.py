@@ -665,6 +665,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         if Sn > capacity:
             raise RuntimeError(f"{fn}: k has seqlen_new = {Sn} new tokens but the cache holds at most {capacity} "
                                "keys per sequence")
+        if Sq > capacity:  # flash-attn's mha_fwd_kvcache refuses this too
+            raise RuntimeError(f"{fn}: q has seqlen_q = {Sq} but the cache holds at most {capacity} keys; with new "
+                               "keys (k) supplied, seqlen_q must be <= the seqlen of the KV cache (as in flash-attn)")
         if B > 0 and k_cache.size(0) == 0:
             raise RuntimeError(f"{fn}: k_cache has no {'pages' if block_table is not None else 'rows'} to append to")
 

@@ -308,6 +308,8 @@ def test_kvcache_refused_call_leaves_the_cache_unchanged():
         assert torch.equal(kc, k0) and torch.equal(vc, v0), name
     with pytest.raises(RuntimeError, match="nheads"):
         flash_attn_with_kvcache(torch.randn(2, 1, 3, 16), kc, vc, *new, cache_seqlens=3)
+    with pytest.raises(RuntimeError, match="seqlen_q = 10 .* at most 8 keys"):  # flash-attn's rule with new keys
+        flash_attn_with_kvcache(torch.randn(2, 10, 4, 16), kc, vc, *new, cache_seqlens=3)
     assert torch.equal(kc, k0)
     flash_attn_with_kvcache(q, kc, vc, *new, cache_seqlens=3)
     assert torch.equal(kc[:, 3], new[0][:, 0]) and torch.equal(vc[:, 3], new[1][:, 0])
