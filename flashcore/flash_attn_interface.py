@@ -581,6 +581,123 @@ def _append(cache, new, first, second, keep):
     cache.index_put_((torch.where(keep, first, first[sink]), torch.where(keep, second, second[sink])), value)
 
 
+def _check_caches(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad, fn):
+    """q and the caches (4-D, q's dtype and device, unit-stride rows, one head dim), the index tensors; returns the
+    keys a sequence's cache can hold (paged: the block table's pages times the page size)."""
+    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
+        _check_tensor(t, name, fn)
+        if t.dim() != 4:
+            dims = "batch, seqlen, nheads, headdim" if name == "q" else "batch_cache, seqlen_cache, nheads_k, headdim"
+            raise RuntimeError(f"{fn}: {name} must be 4-D ({dims}); got {t.dim()}-D with shape {tuple(t.shape)}")
+    D = q.size(3)
+    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        if cache.dtype != q.dtype:
+            raise RuntimeError(f"{fn}: {name} has dtype {cache.dtype} but q has dtype {q.dtype}; the cache must have "
+                               "q's dtype")
+        if cache.device != q.device:
+            raise RuntimeError(f"{fn}: {name} is on {cache.device} but q is on {q.device}")
+        if cache.stride(-1) != 1:
+            raise RuntimeError(f"{fn}: {name} must have a contiguous last dimension (it is read and updated in place)")
+    if v_cache.shape != k_cache.shape:
+        raise RuntimeError(f"{fn}: v_cache must have k_cache's shape {tuple(k_cache.shape)}; got "
+                           f"{tuple(v_cache.shape)}")
+    if k_cache.size(3) != D:
+        raise RuntimeError(f"{fn}: k_cache has head dim {k_cache.size(3)} but q has {D}")
+    if block_table is not None:
+        if cache_batch_idx is not None:
+            raise RuntimeError(f"{fn}: cache_batch_idx cannot be combined with block_table (a paged cache maps batch "
+                               "entries to pages through block_table)")
+        _check_index(block_table, "block_table", fn, q, dims=2)
+        capacity = block_table.size(1) * k_cache.size(1)
+    else:
+        capacity = k_cache.size(1)
+    for t, name in ((cache_batch_idx, "cache_batch_idx"), (cache_leftpad, "cache_leftpad")):
+        if t is not None:
+            _check_index(t, name, fn, q)
+    return capacity
+
+
+def _check_new_kv(q, k, v, k_cache, capacity, block_table, fn):
+    """The new keys and values to append (both or neither; (batch, seqlen_new, nheads_k, headdim)); returns
+    seqlen_new (0 without them)."""
+    B, Sq, _, D = q.shape
+    if (k is None) != (v is None):
+        raise RuntimeError(f"{fn}: k and v (the new keys and values to append) must be given together; got only "
+                           f"{'k' if v is None else 'v'}")
+    if k is not None:
+        _check_tensor(k, "k", fn)
+        _check_tensor(v, "v", fn)
+        want = (B, k.size(1) if k.dim() == 4 else -1, k_cache.size(2), D)
+        for t, name in ((k, "k"), (v, "v")):
+            if t.dim() != 4 or tuple(t.shape) != want:
+                raise RuntimeError(f"{fn}: {name} must have shape (batch, seqlen_new, nheads_k, headdim) = "
+                                   f"{tuple(want)} (batch and headdim of q, nheads_k of the cache, k's seqlen_new); "
+                                   f"got {tuple(t.shape)}")
+            if t.dtype != q.dtype or t.device != q.device:
+                raise RuntimeError(f"{fn}: {name} must have q's dtype and device ({q.dtype}, {q.device}); got "
+                                   f"{t.dtype} on {t.device}")
+        Sn = k.size(1)
+        if Sn > capacity:
+            raise RuntimeError(f"{fn}: k has seqlen_new = {Sn} new tokens but the cache holds at most {capacity} "
+                               "keys per sequence")
+        if Sq > capacity:  # flash-attn's mha_fwd_kvcache refuses this too
+            raise RuntimeError(f"{fn}: q has seqlen_q = {Sq} but the cache holds at most {capacity} keys; with new "
+                               "keys (k) supplied, seqlen_q must be <= the seqlen of the KV cache (as in flash-attn)")
+        if B > 0 and k_cache.size(0) == 0:
+            raise RuntimeError(f"{fn}: k_cache has no {'pages' if block_table is not None else 'rows'} to append to")
+        return Sn
+    return 0
+
+
+def _cache_lengths(q, cache_seqlens, has_new, num_new, capacity, k_cache, block_table, fn):
+    """cache_seqlens as the int32 (batch,) tensor the op takes: None is the capacity (not with new keys), an int is
+    checked against it (with the num_new new tokens), a tensor is taken as it is (reading it would sync)."""
+    B, Sn = q.size(0), num_new
+    if cache_seqlens is None:
+        if has_new:
+            raise RuntimeError(f"{fn}: cache_seqlens is required with k/v (it says where to append them)")
+        return torch.full((B,), capacity, dtype=torch.int32, device=q.device)
+    if isinstance(cache_seqlens, (int, torch.SymInt)) and not isinstance(cache_seqlens, bool):
+        if not 0 <= cache_seqlens <= capacity - Sn:
+            where = (f"the capacity addressable by block_table ({block_table.size(1)} pages of {k_cache.size(1)})"
+                     if block_table is not None else "the cache's capacity")
+            raise CacheCapacityError(f"{fn}: cache_seqlens = {cache_seqlens}"
+                                     + (f" plus {Sn} new tokens (k)" if Sn else "") + f" does not fit {where}: "
+                                     f"{capacity} keys")
+        return torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
+    if isinstance(cache_seqlens, torch.Tensor):
+        _check_index(cache_seqlens, "cache_seqlens", fn, q)
+        return cache_seqlens
+    raise TypeError(f"{fn}: cache_seqlens must be an int or an int32 tensor of shape (batch,); got "
+                    f"{type(cache_seqlens).__name__}")
+
+
+def _check_rotary(q, rotary_cos, rotary_sin, has_new, capacity, fn):
+    """rotary_cos/rotary_sin: both or neither, only with new keys, (seqlen_ro >= capacity, rotary_dim / 2)."""
+    D = q.size(3)
+    if (rotary_cos is None) != (rotary_sin is None):
+        raise RuntimeError(f"{fn}: rotary_cos and rotary_sin must be given together; got only "
+                           f"{'rotary_cos' if rotary_sin is None else 'rotary_sin'}")
+    if rotary_cos is not None:
+        _check_tensor(rotary_cos, "rotary_cos", fn)
+        _check_tensor(rotary_sin, "rotary_sin", fn)
+        if not has_new:
+            raise RuntimeError(f"{fn}: rotary_cos/rotary_sin need the new k and v to append (as in flash-attn)")
+        if rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape:
+            raise RuntimeError(f"{fn}: rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2); got "
+                               f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
+        if 2 * rotary_cos.size(1) > D:
+            raise RuntimeError(f"{fn}: rotary_dim = 2 * rotary_cos.size(1) = {2 * rotary_cos.size(1)} exceeds the "
+                               f"head dim {D}")
+        if rotary_cos.size(0) < capacity:
+            raise RuntimeError(f"{fn}: rotary_cos/rotary_sin have {rotary_cos.size(0)} positions (seqlen_ro) but the "
+                               f"cache holds {capacity}; seqlen_ro must be at least the cache's capacity")
+        for t, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
+            if t.device != q.device or not t.is_floating_point():
+                raise RuntimeError(f"{fn}: {name} must be a floating-point tensor on q's device ({q.device}); got "
+                                   f"{t.dtype} on {t.device}")
+
+
 def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None, rotary_sin=None, cache_seqlens=None,
                             cache_batch_idx=None, cache_leftpad=None, block_table=None, softmax_scale=None,
                             causal=False, window_size=(-1, -1), softcap=0.0, rotary_interleaved=True,
@@ -614,103 +731,11 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     sink logits) as in flash_attn_func. Returns out (batch, seqlen_q, nheads, headdim), or (out, softmax_lse
     (batch, nheads, seqlen_q) float32) with return_softmax_lse=True. No backward (inference only)."""
     fn = "flash_attn_with_kvcache"
-    for t, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
-        _check_tensor(t, name, fn)
-        if t.dim() != 4:
-            dims = "batch, seqlen, nheads, headdim" if name == "q" else "batch_cache, seqlen_cache, nheads_k, headdim"
-            raise RuntimeError(f"{fn}: {name} must be 4-D ({dims}); got {t.dim()}-D with shape {tuple(t.shape)}")
+    capacity = _check_caches(q, k_cache, v_cache, block_table, cache_batch_idx, cache_leftpad, fn)
     B, Sq, Hq, D = q.shape
-    for cache, name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
-        if cache.dtype != q.dtype:
-            raise RuntimeError(f"{fn}: {name} has dtype {cache.dtype} but q has dtype {q.dtype}; the cache must have "
-                               "q's dtype")
-        if cache.device != q.device:
-            raise RuntimeError(f"{fn}: {name} is on {cache.device} but q is on {q.device}")
-        if cache.stride(-1) != 1:
-            raise RuntimeError(f"{fn}: {name} must have a contiguous last dimension (it is read and updated in place)")
-    if v_cache.shape != k_cache.shape:
-        raise RuntimeError(f"{fn}: v_cache must have k_cache's shape {tuple(k_cache.shape)}; got "
-                           f"{tuple(v_cache.shape)}")
-    if k_cache.size(3) != D:
-        raise RuntimeError(f"{fn}: k_cache has head dim {k_cache.size(3)} but q has {D}")
-    if block_table is not None:
-        if cache_batch_idx is not None:
-            raise RuntimeError(f"{fn}: cache_batch_idx cannot be combined with block_table (a paged cache maps batch "
-                               "entries to pages through block_table)")
-        _check_index(block_table, "block_table", fn, q, dims=2)
-        capacity = block_table.size(1) * k_cache.size(1)
-    else:
-        capacity = k_cache.size(1)
-    for t, name in ((cache_batch_idx, "cache_batch_idx"), (cache_leftpad, "cache_leftpad")):
-        if t is not None:
-            _check_index(t, name, fn, q)
-
-    Sn = 0
-    if (k is None) != (v is None):
-        raise RuntimeError(f"{fn}: k and v (the new keys and values to append) must be given together; got only "
-                           f"{'k' if v is None else 'v'}")
-    if k is not None:
-        _check_tensor(k, "k", fn)
-        _check_tensor(v, "v", fn)
-        want = (B, k.size(1) if k.dim() == 4 else -1, k_cache.size(2), D)
-        for t, name in ((k, "k"), (v, "v")):
-            if t.dim() != 4 or tuple(t.shape) != want:
-                raise RuntimeError(f"{fn}: {name} must have shape (batch, seqlen_new, nheads_k, headdim) = "
-                                   f"{tuple(want)} (batch and headdim of q, nheads_k of the cache, k's seqlen_new); "
-                                   f"got {tuple(t.shape)}")
-            if t.dtype != q.dtype or t.device != q.device:
-                raise RuntimeError(f"{fn}: {name} must have q's dtype and device ({q.dtype}, {q.device}); got "
-                                   f"{t.dtype} on {t.device}")
-        Sn = k.size(1)
-        if Sn > capacity:
-            raise RuntimeError(f"{fn}: k has seqlen_new = {Sn} new tokens but the cache holds at most {capacity} "
-                               "keys per sequence")
-        if Sq > capacity:  # flash-attn's mha_fwd_kvcache refuses this too
-            raise RuntimeError(f"{fn}: q has seqlen_q = {Sq} but the cache holds at most {capacity} keys; with new "
-                               "keys (k) supplied, seqlen_q must be <= the seqlen of the KV cache (as in flash-attn)")
-        if B > 0 and k_cache.size(0) == 0:
-            raise RuntimeError(f"{fn}: k_cache has no {'pages' if block_table is not None else 'rows'} to append to")
-
-    if cache_seqlens is None:
-        if k is not None:
-            raise RuntimeError(f"{fn}: cache_seqlens is required with k/v (it says where to append them)")
-        seqlens = torch.full((B,), capacity, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, (int, torch.SymInt)) and not isinstance(cache_seqlens, bool):
-        if not 0 <= cache_seqlens <= capacity - Sn:
-            where = (f"the capacity addressable by block_table ({block_table.size(1)} pages of {k_cache.size(1)})"
-                     if block_table is not None else "the cache's capacity")
-            raise CacheCapacityError(f"{fn}: cache_seqlens = {cache_seqlens}"
-                                     + (f" plus {Sn} new tokens (k)" if Sn else "") + f" does not fit {where}: "
-                                     f"{capacity} keys")
-        seqlens = torch.full((B,), cache_seqlens, dtype=torch.int32, device=q.device)
-    elif isinstance(cache_seqlens, torch.Tensor):
-        _check_index(cache_seqlens, "cache_seqlens", fn, q)
-        seqlens = cache_seqlens
-    else:
-        raise TypeError(f"{fn}: cache_seqlens must be an int or an int32 tensor of shape (batch,); got "
-                        f"{type(cache_seqlens).__name__}")
-
-    if (rotary_cos is None) != (rotary_sin is None):
-        raise RuntimeError(f"{fn}: rotary_cos and rotary_sin must be given together; got only "
-                           f"{'rotary_cos' if rotary_sin is None else 'rotary_sin'}")
-    if rotary_cos is not None:
-        _check_tensor(rotary_cos, "rotary_cos", fn)
-        _check_tensor(rotary_sin, "rotary_sin", fn)
-        if k is None:
-            raise RuntimeError(f"{fn}: rotary_cos/rotary_sin need the new k and v to append (as in flash-attn)")
-        if rotary_cos.dim() != 2 or rotary_sin.shape != rotary_cos.shape:
-            raise RuntimeError(f"{fn}: rotary_cos and rotary_sin must both be (seqlen_ro, rotary_dim / 2); got "
-                               f"{tuple(rotary_cos.shape)} and {tuple(rotary_sin.shape)}")
-        if 2 * rotary_cos.size(1) > D:
-            raise RuntimeError(f"{fn}: rotary_dim = 2 * rotary_cos.size(1) = {2 * rotary_cos.size(1)} exceeds the "
-                               f"head dim {D}")
-        if rotary_cos.size(0) < capacity:
-            raise RuntimeError(f"{fn}: rotary_cos/rotary_sin have {rotary_cos.size(0)} positions (seqlen_ro) but the "
-                               f"cache holds {capacity}; seqlen_ro must be at least the cache's capacity")
-        for t, name in ((rotary_cos, "rotary_cos"), (rotary_sin, "rotary_sin")):
-            if t.device != q.device or not t.is_floating_point():
-                raise RuntimeError(f"{fn}: {name} must be a floating-point tensor on q's device ({q.device}); got "
-                                   f"{t.dtype} on {t.device}")
+    Sn = _check_new_kv(q, k, v, k_cache, capacity, block_table, fn)
+    seqlens = _cache_lengths(q, cache_seqlens, k is not None, Sn, capacity, k_cache, block_table, fn)
+    _check_rotary(q, rotary_cos, rotary_sin, k is not None, capacity, fn)
 
     causal, rotary_interleaved = flag_arg(causal, "causal", fn), flag_arg(rotary_interleaved, "rotary_interleaved", fn)
     return_softmax_lse = flag_arg(return_softmax_lse, "return_softmax_lse", fn)
