@@ -375,6 +375,17 @@ def assert_ran(pass_, family):
     return ran
 
 
+def pack_gqa_heads(group, max_seqlen_q, block_m):
+    """The query heads a block of the Hopper varlen forward packs (csrc/.../sm90/fwd_sm90_pack_gqa.h): the divisor g
+    of the group, block_m / g a multiple of 16, that computes the fewest padded rows; ties keep the smaller g."""
+    rows = lambda g: -(-max_seqlen_q // (block_m // g)) * block_m * (group // g)
+    best = 1
+    for g in range(2, group + 1):
+        if group % g == 0 and block_m % (16 * g) == 0 and rows(g) < rows(best):
+            best = g
+    return best
+
+
 def capture_graph(fn):
     """fn captured in a CUDA graph after a warm-up call on a side stream: (graph, fn's outputs in the graph)."""
     stream = torch.cuda.Stream()

@@ -17,7 +17,7 @@ import torch
 import flashcore
 
 from conftest import (UNIT_ROUNDOFF, capture_graph, check_close, cuda_skip_reason, lowp_attention, lowp_lse,
-                      make_generator, reference_attention)
+                      make_generator, pack_gqa_heads, reference_attention)
 from flashcore.flash_attn_interface import _append, _append_slots, flash_attn_with_kvcache
 
 requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
@@ -661,13 +661,18 @@ PREFILL_MODE_SMALL_PAGES = dict(B=3, Sq=128, Sn=128, lens=[0, 200, FULL - 128])
 
 
 def prefill_on_varlen(page_size=None, new_tokens=PREFILL_MODE["Sq"]):
-    """Whether a PREFILL_HEADS prefill runs on the Hopper varlen forward here (attention_cuda.cpp: Hopper, a grid of
-    batch x query heads x 128-row blocks that fills the SMs, and paged caches with pages of a multiple of 64 keys,
-    or of 16 from 64 new tokens)."""
+    """Whether a PREFILL_HEADS (head dim 128) prefill runs on the Hopper varlen forward here (attention_cuda.cpp:
+    Hopper, 33 new tokens or more than 64 query rows a KV head, a grid of 128-row blocks, query heads packed, with at
+    least a third as many blocks as SMs, and paged caches with pages of a multiple of 64 keys, or of 16 from 64 new
+    tokens)."""
     props = torch.cuda.get_device_properties(0)
-    blocks = PREFILL_MODE["B"] * PREFILL_HEADS[0] * -(-new_tokens // 128)
+    hq, hkv = PREFILL_HEADS
+    g = pack_gqa_heads(hq // hkv, new_tokens, 128)
+    blocks = PREFILL_MODE["B"] * (hq // g) * -(-new_tokens // (128 // g))
     pages_fit = page_size is None or page_size % 64 == 0 or (page_size % 16 == 0 and new_tokens >= 64)
-    return torch.cuda.get_device_capability() == (9, 0) and blocks >= props.multi_processor_count and pages_fit
+    enough_rows = new_tokens >= 33 or new_tokens * (hq // hkv) > 64
+    return (torch.cuda.get_device_capability() == (9, 0) and enough_rows and 3 * blocks >= props.multi_processor_count
+            and pages_fit)
 
 
 @pytest.mark.gpu

@@ -11,7 +11,7 @@ import torch
 
 import flashcore
 from conftest import (assert_ran, check_close, check_gradients, cuda_skip_reason, gpu_families, lowp_attention,
-                      lowp_lse, make_generator, reference_attention, reference_lse)
+                      lowp_lse, make_generator, pack_gqa_heads, reference_attention, reference_lse)
 
 requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
 
@@ -316,6 +316,30 @@ def test_varlen_forward_cuda(request, family, variant, head_dim, dtype):
                                         strided=head_dim == 64)
     run_forward(q, k, v, cu_q, cu_k, kw)
     assert assert_ran("fwd", family).endswith("varlen")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", ["dense", "causal", "window_causal", "softcap", "sinks", "alibi", "all"])
+@pytest.mark.parametrize("heads", [(8, 2), (16, 2), (12, 1), (6, 2), (4, 4)], ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_varlen_pack_gqa_cuda(request, monkeypatch, variant, heads, head_dim):
+    """Short sequences with GQA on the Hopper varlen forward (forced: it would leave the shortest batches to the
+    mma.sync kernel), where a block packs several query heads of a key/value head into its rows (pack-GQA): each
+    warp's rows are one head's, so the mask, the per-head sinks and ALiBi slopes, the LSE rows and the bounded O
+    stores must all follow the warp's head. Sequences shorter than a head's rows, spanning several blocks, empty,
+    and with no keys. The pack taken is the one the rule predicts (MHA: none); test_kvcache's prefills cover packed
+    blocks reading paged keys."""
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", "sm90")
+    Hq, Hkv = heads
+    lens_q, lens_k = [1, 17, 0, 40, 33, 16], [300, 17, 5, 1000, 64, 0]
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens_q, lens_k, Hq, Hkv, head_dim,
+                                        VARIANTS[variant])
+    run_forward(q, k, v, cu_q, cu_k, kw)
+    ran = assert_ran("fwd", "sm90")
+    block_m = 192 if head_dim <= 96 else 128
+    want = pack_gqa_heads(Hq // Hkv, max(lens_q), block_m)
+    assert (f" pack{want} " in ran) if want > 1 else ("pack" not in ran), ran
 
 
 @pytest.mark.gpu

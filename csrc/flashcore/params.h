@@ -57,6 +57,17 @@ struct Strides {
   int64_t seq = 0;
 };
 
+// Pack-GQA (the Hopper varlen forward; sm90/fwd_sm90_launch.cuh picks it): `heads` query heads of one key/value
+// head share a block, whose kBlockM rows are `rows` = kBlockM / heads queries of each (block row r is query
+// m0 + r % rows of head h0 + r / rows), so the block reads its K/V tiles once for all of them and a short sequence
+// fills the block's rows. rows is a multiple of 16, so each warp's m16 rows are one head's. heads 1: one query head
+// a block. No other kernel reads it.
+struct PackGqa {
+  int heads = 1;
+  int rows = 0;
+  FastDiv groups_div;  // heads_q / heads: the grid's head groups
+};
+
 struct FwdParams {
   const void* q = nullptr;
   const void* k = nullptr;
@@ -90,6 +101,8 @@ struct FwdParams {
 
   // Softcap, ALiBi and sinks (score_mod.h).
   ScoreParams score;
+
+  PackGqa pack;
 
   // Variable-length batches (seqlen.h): set, the tensors are packed along the sequence (batch strides 0),
   // seqlen_q/seqlen_k are the max lengths, lse is (heads_q, total_q), and each entry's lengths and band come from

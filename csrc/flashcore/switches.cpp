@@ -63,6 +63,11 @@ bool varlen_schedule_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+bool pack_gqa_enabled() {
+  const char* v = env("FLASHCORE_PACK_GQA");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 bool decode_longest_first_enabled() {
   const char* v = env("FLASHCORE_DECODE_LONGEST_FIRST");
   return v == nullptr || std::strcmp(v, "0") != 0;

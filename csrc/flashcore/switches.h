@@ -15,6 +15,8 @@
 //                                               CPU always validates them)
 //   FLASHCORE_VARLEN_SCHEDULE=0                 run a varlen backward's sequences in their given order on a grid of
 //                                               max_seqlen_k's blocks each, not longest first on a packed grid (A/B)
+//   FLASHCORE_PACK_GQA=0                        the sm90 varlen forward keeps one query head a block, not the
+//                                               group's heads packed into its rows (A/B; sm90/fwd_sm90_pack_gqa.h)
 //   FLASHCORE_BWD_WIDE_STEPS=0                  the sm90 backward at head-dim tiles 96 and 128 takes 64-row steps,
 //                                               not its 80-row kernel (A/B)
 //   FLASHCORE_BWD_TMA_EPILOGUE=0                the sm90 backward stores dK/dV from registers, not through shared
@@ -41,6 +43,7 @@ bool poison_outputs();
 bool cpu_isa_forced_portable();
 bool check_varlen_offsets();
 bool varlen_schedule_enabled();
+bool pack_gqa_enabled();
 bool decode_longest_first_enabled();
 bool bwd_wide_steps_enabled();
 bool bwd_tma_epilogue_enabled();

@@ -294,6 +294,71 @@ _UNSUPPORTED_KWARGS = {
 }
 
 
+def _refuse_unsupported(dropout, kwargs):
+    """What flashcore cannot apply raises NotImplementedError naming it (attention dropout, T5-style position bias,
+    _UNSUPPORTED_KWARGS); output_attentions only warns, as transformers' own flash backends do."""
+    if kwargs.get("output_attentions", False):
+        logger.warning_once(f"attn_implementation={NAME!r} (flashcore) does not return attention weights "
+                            "(output_attentions=True); use attn_implementation='eager' for them.")
+    if dropout:
+        raise NotImplementedError(
+            f"attn_implementation={NAME!r}: attention dropout={dropout} is not supported (flashcore has no attention "
+            "dropout). Set config.attention_dropout=0.0, call model.eval(), or use attn_implementation='sdpa'."
+        )
+    if kwargs.get("position_bias") is not None:
+        raise NotImplementedError(
+            f"attn_implementation={NAME!r}: this model adds a position_bias to its attention scores (T5-style relative "
+            "position bias), which flashcore cannot apply; use attn_implementation='sdpa' or 'eager' for it."
+        )
+    for name in _UNSUPPORTED_KWARGS:
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"attn_implementation={NAME!r}: this model passes `{name}` to its attention ({_UNSUPPORTED_KWARGS[name]}), "
+                "which flashcore cannot apply; use attn_implementation='sdpa' or 'eager' for it."
+            )
+
+
+def _padded_attention(q, k, v, attention_mask, aligned, varlen):
+    """A batch with a 2-D padding mask: unpad, attend per sequence (bottom-right aligned), pad back. q (B, Sq, Hq, D)
+    and k/v (B, Sk, Hkv, D) BSHD views; aligned: causal or windowed, whose queries are the last Sq of the mask's
+    positions. Returns out (B, Sq, Hq, D)."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    mask = attention_mask.to(device=q.device, dtype=torch.bool)
+    if mask.shape[1] < Sk:  # a static cache: keys beyond the mask were never written
+        k, v, Sk = k[:, : mask.shape[1]], v[:, : mask.shape[1]], mask.shape[1]
+    elif mask.shape[1] > Sk:
+        mask = mask[:, -Sk:]
+    lengths_k = mask.sum(dim=-1, dtype=torch.int32)
+    idx_k = mask.flatten().nonzero().flatten()
+    k_rows = k.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
+    v_rows = v.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
+    cu_k, max_k = _cu_seqlens(lengths_k), int(lengths_k.max())
+    if not aligned:
+        # Encoders and cross-attention: the mask is the keys'; every query attends to its row's keys (padded query
+        # rows too, as under eager/sdpa), so the queries are not unpadded (a cross-attention's are not the keys').
+        idx_q, max_q = None, Sq
+        cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=q.device)
+    elif Sq == Sk:
+        idx_q, cu_q, max_q = idx_k, cu_k, max_k
+    elif Sq == 1:  # decoding: one query per sequence, its last position
+        idx_q = torch.arange(B, device=q.device)
+        cu_q, max_q = torch.arange(B + 1, dtype=torch.int32, device=q.device), 1
+    else:  # several new queries against a cache: they are the last Sq positions of the mask
+        mask_q = mask[:, -Sq:]
+        lengths_q = mask_q.sum(dim=-1, dtype=torch.int32)
+        idx_q = mask_q.flatten().nonzero().flatten()
+        cu_q, max_q = _cu_seqlens(lengths_q), int(lengths_q.max())
+    q_rows = q.reshape(B * Sq, Hq, D)
+    if idx_q is not None:
+        q_rows = q_rows.index_select(0, idx_q)
+    out = _varlen_attention(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, **varlen)
+    if idx_q is not None:
+        out = out.new_zeros(B * Sq, Hq, D).index_copy(0, idx_q, out)
+    out = out.view(B, Sq, Hq, D)
+    return out
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -315,25 +380,7 @@ def attention_forward(
 ) -> tuple[torch.Tensor, None]:
     """The function registered with AttentionInterface. query (B, Hq, Sq, D), key/value (B, Hkv, Sk, D) as
     transformers' attention modules pass them; returns (attn_output (B, Sq, Hq, Dv), None)."""
-    if kwargs.get("output_attentions", False):
-        logger.warning_once(f"attn_implementation={NAME!r} (flashcore) does not return attention weights "
-                            "(output_attentions=True); use attn_implementation='eager' for them.")
-    if dropout:
-        raise NotImplementedError(
-            f"attn_implementation={NAME!r}: attention dropout={dropout} is not supported (flashcore has no attention "
-            "dropout). Set config.attention_dropout=0.0, call model.eval(), or use attn_implementation='sdpa'."
-        )
-    if kwargs.get("position_bias") is not None:
-        raise NotImplementedError(
-            f"attn_implementation={NAME!r}: this model adds a position_bias to its attention scores (T5-style relative "
-            "position bias), which flashcore cannot apply; use attn_implementation='sdpa' or 'eager' for it."
-        )
-    for name in _UNSUPPORTED_KWARGS:
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"attn_implementation={NAME!r}: this model passes `{name}` to its attention ({_UNSUPPORTED_KWARGS[name]}), "
-                "which flashcore cannot apply; use attn_implementation='sdpa' or 'eager' for it."
-            )
+    _refuse_unsupported(dropout, kwargs)
     packed_ids = None
     if attention_mask is not None and attention_mask.dtype == torch.int32 and attention_mask.dim() == 2:
         packed_ids, attention_mask = attention_mask, None  # from padding_mask (_packed_sequence_ids)
@@ -374,39 +421,7 @@ def attention_forward(
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
     if attention_mask is not None:
-        # Padding: unpad, attend per sequence (bottom-right aligned), pad back.
-        mask = attention_mask.to(device=query.device, dtype=torch.bool)
-        if mask.shape[1] < Sk:  # a static cache: keys beyond the mask were never written
-            k, v, Sk = k[:, : mask.shape[1]], v[:, : mask.shape[1]], mask.shape[1]
-        elif mask.shape[1] > Sk:
-            mask = mask[:, -Sk:]
-        lengths_k = mask.sum(dim=-1, dtype=torch.int32)
-        idx_k = mask.flatten().nonzero().flatten()
-        k_rows = k.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
-        v_rows = v.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
-        cu_k, max_k = _cu_seqlens(lengths_k), int(lengths_k.max())
-        if not is_causal and window is None:
-            # Encoders and cross-attention: the mask is the keys'; every query attends to its row's keys (padded query
-            # rows too, as under eager/sdpa), so the queries are not unpadded (a cross-attention's are not the keys').
-            idx_q, max_q = None, Sq
-            cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=query.device)
-        elif Sq == Sk:
-            idx_q, cu_q, max_q = idx_k, cu_k, max_k
-        elif Sq == 1:  # decoding: one query per sequence, its last position
-            idx_q = torch.arange(B, device=query.device)
-            cu_q, max_q = torch.arange(B + 1, dtype=torch.int32, device=query.device), 1
-        else:  # several new queries against a cache: they are the last Sq positions of the mask
-            mask_q = mask[:, -Sq:]
-            lengths_q = mask_q.sum(dim=-1, dtype=torch.int32)
-            idx_q = mask_q.flatten().nonzero().flatten()
-            cu_q, max_q = _cu_seqlens(lengths_q), int(lengths_q.max())
-        q_rows = q.reshape(B * Sq, Hq, D)
-        if idx_q is not None:
-            q_rows = q_rows.index_select(0, idx_q)
-        out = _varlen_attention(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, **varlen)
-        if idx_q is not None:
-            out = out.new_zeros(B * Sq, Hq, D).index_copy(0, idx_q, out)
-        out = out.view(B, Sq, Hq, D)
+        out = _padded_attention(q, k, v, attention_mask, is_causal or window is not None, varlen)
     elif all(x is not None for x in (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)):
         # Padding-free batch with precomputed boundaries (DataCollatorWithFlattening(return_flash_attn_kwargs=True)).
         cu_q = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)

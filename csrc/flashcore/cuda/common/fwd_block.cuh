@@ -43,17 +43,27 @@ struct FwdBlock {
 // moved them to the vector pipe and changed the schedule of every key loop).
 // kVarlen: a variable-length batch; the block's query rows may lie past its sequence's end (the caller exits). The
 // varlen caller waits for prior grids first: the offsets may come from the previous kernel.
-template <typename Element, int kBlockM, int kBlockN, bool kVarlen = false>
+// kPackGqa (with kVarlen): p.pack.heads query heads from h share the block (params.h: PackGqa); m0 and the key
+// range are then those of p.pack.rows queries, and bh is b * (heads_q / p.pack.heads) + h / p.pack.heads.
+template <typename Element, int kBlockM, int kBlockN, bool kVarlen = false, bool kPackGqa = false>
 __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks, int tile) {
+  static_assert(!kPackGqa || kVarlen, "pack-GQA is built for the varlen kernels");
   FwdBlock<Element> blk;
   const uint32_t bh = (uint32_t)(tile / num_m_blocks);
   const int m_block = num_m_blocks - 1 - tile % num_m_blocks;
   uint32_t h;
   blk.bh = bh;
-  blk.b = (int)p.heads_q_div.divmod(bh, h);
+  int rows = kBlockM;  // queries of one head in the block
+  if constexpr (kPackGqa) {
+    blk.b = (int)p.pack.groups_div.divmod(bh, h);
+    h *= (uint32_t)p.pack.heads;
+    rows = p.pack.rows;
+  } else {
+    blk.b = (int)p.heads_q_div.divmod(bh, h);
+  }
   blk.h = (int)h;
   blk.h_kv = (int)p.group_div.div(h);
-  blk.m0 = m_block * kBlockM;
+  blk.m0 = m_block * rows;
   blk.q = static_cast<const Element*>(p.q) + blk.b * p.q_stride.batch + blk.h * p.q_stride.head;
   blk.k = static_cast<const Element*>(p.k) + blk.b * p.k_stride.batch + blk.h_kv * p.k_stride.head;
   blk.v = static_cast<const Element*>(p.v) + blk.b * p.v_stride.batch + blk.h_kv * p.v_stride.head;
@@ -76,7 +86,7 @@ __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int n
     blk.lse_row0 = (int64_t)blk.bh * p.seqlen_q;
   }
   const Band& band = kVarlen ? blk.band : p.band;
-  const IndexRange tiles = Band::tiles(band.keys_of_queries(blk.m0, (int64_t)blk.m0 + kBlockM), kBlockN);
+  const IndexRange tiles = Band::tiles(band.keys_of_queries(blk.m0, (int64_t)blk.m0 + rows), kBlockN);
   blk.n_first = (int)tiles.begin;
   blk.n_blocks = (int)tiles.end;
   return blk;
@@ -85,6 +95,22 @@ __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int n
 template <typename Element, int kBlockM, int kBlockN, bool kVarlen = false>
 __device__ __forceinline__ FwdBlock<Element> fwd_block(const FwdParams& p, int num_m_blocks) {
   return fwd_block<Element, kBlockM, kBlockN, kVarlen>(p, num_m_blocks, (int)blockIdx.x);
+}
+
+// The block as the rows of one warp see it under pack-GQA (params.h: PackGqa; varlen only, where a head's lse rows
+// are total_q apart): the warp's rows are query head h + head's (head = warp_row0 / p.pack.rows), and m0, lse_row0
+// and out are shifted so that block row r of the warp is query m0 + r of that head, which is how the mask and the
+// epilogue helpers below index rows.
+template <typename Element>
+__device__ __forceinline__ FwdBlock<Element> packed_warp_view(const FwdBlock<Element>& blk, const FwdParams& p,
+                                                              int head) {
+  FwdBlock<Element> w = blk;
+  w.h += head;
+  w.m0 -= head * p.pack.rows;
+  w.lse_row0 += head * p.varlen.total_q;
+  w.q += head * p.q_stride.head;
+  w.out += head * p.out_stride.head;
+  return w;
 }
 
 // The attention sink of query head h in log2 units, or -inf without sinks (score_mod.h). A global load: after the

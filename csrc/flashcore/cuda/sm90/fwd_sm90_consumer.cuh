@@ -28,6 +28,27 @@ namespace flashcore::sm90 {
 // Hardware barrier shared by the consumer warpgroups only (the producer never uses it); 0 is __syncthreads.
 constexpr uint32_t kConsumerBarrier = 1;
 
+// Pack-GQA (varlen kernels; params.h: PackGqa): the query head, counted from the block's first, of the warp whose
+// rows start at block row warp_row0: warp_row0 / p.pack.rows, as a division by the constant kBlockM (rows =
+// kBlockM / heads), cheap to recompute where it is needed instead of held across the key loop. 0 otherwise.
+template <typename Traits>
+__device__ __forceinline__ int pack_head(const FwdParams& p, int warp_row0) {
+  if constexpr (Traits::kVarlen)
+    return warp_row0 * p.pack.heads / Traits::kBlockM;
+  else
+    return 0;
+}
+
+// The block as this warp's rows see it: under pack-GQA one query head of the block's group
+// (cuda::packed_warp_view), else the block itself.
+template <typename Traits, typename Block>
+__device__ __forceinline__ Block warp_block(const Block& blk, const FwdParams& p, int warp_row0) {
+  if constexpr (Traits::kVarlen)
+    return cuda::packed_warp_view(blk, p, pack_head<Traits>(p, warp_row0));
+  else
+    return blk;
+}
+
 // One tile (query block) of the persistent loop: tile_count tiles and kv_count K/V ring uses came before it in
 // this block, in the same order as the producer's (fwd_sm90_producer.cuh).
 template <typename Traits>
@@ -43,6 +64,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   const int lane = threadIdx.x & 31;
   const int wg = ptx::warpgroup_index(threadIdx.x);
   const int warp_row0 = wg * 64 + ((threadIdx.x >> 5) & 3) * 16;  // this warp's 16 rows inside the block
+  // Pack-GQA: this warp's rows are query head blk.h + pack_head's, block row r its query
+  // m0 - pack_head * p.pack.rows + r; the epilogue sees the block through warp_block.
   const uint32_t q_addr = ptx::smem_addr(smem.q);
   const uint32_t k_addr = ptx::smem_addr(smem.k);
   const uint32_t v_addr = ptx::smem_addr(smem.v);
@@ -50,7 +73,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   // of a key split).
   const int m0 = blk.m0, n_last = blk.n_blocks - 1, n_count = blk.n_blocks - blk.n_first;
   const Band& band = Traits::kVarlen ? blk.band : p.band;
-  const TileRange unmasked = band.unmasked_key_tiles(m0, kBlockM, kBlockN);  // key tiles the mask can skip
+  // Key tiles the mask can skip: those every query of the block sees (pack-GQA: p.pack.rows queries a head).
+  const TileRange unmasked = band.unmasked_key_tiles(m0, Traits::kVarlen ? p.pack.rows : kBlockM, kBlockN);
 
   float o[1][kDTiles][4];
 #pragma unroll
@@ -59,7 +83,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     for (int e = 0; e < 4; ++e) o[0][di][e] = 0.f;
   float(&o_flat)[Traits::kHeadDim / 2] = *reinterpret_cast<float(*)[Traits::kHeadDim / 2]>(&o[0][0][0]);
   cuda::OnlineSoftmax<1, kNTiles, kDTiles> softmax;
-  const int frag_row0 = m0 + warp_row0 + (lane >> 2);
+  const int frag_row0 =
+      m0 - (Traits::kVarlen ? pack_head<Traits>(p, warp_row0) * p.pack.rows : 0) + warp_row0 + (lane >> 2);
   const int frag_col_in_tile = 2 * (lane & 3);
 
   using STile = float[1][kNTiles][4];  // one key tile's scores (m16n8k16 C layout), then its P
@@ -71,7 +96,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
 
   // The plain kernel folds the (positive) scale into the softmax's exp2; the score-mod one transforms first.
   ScoreMod mod;
-  if constexpr (Traits::kScoreMod) mod = ScoreMod::make(p.score, p.scale_log2, blk.b, blk.h);
+  if constexpr (Traits::kScoreMod)
+    mod = ScoreMod::make(p.score, p.scale_log2, blk.b, blk.h + pack_head<Traits>(p, warp_row0));
   if constexpr (Traits::kVarlen) mod.alibi_offset = blk.seqlen_k - blk.seqlen_q;
   const float softmax_scale = Traits::kScoreMod ? cuda::folded_softmax_scale(mod) : p.scale_log2;
 
@@ -284,9 +310,10 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     release_q();
   }
 
+  const cuda::FwdBlock<Element> wblk = warp_block<Traits>(blk, p, warp_row0);  // its query head (pack-GQA)
   float lse[2];
   // A key split's sink is counted once, by rank 0 (the merge adds the other slices to it).
-  softmax.finalize(o, lse, blk.split_rank == 0 ? cuda::sink_log2(p, blk.h) : -INFINITY);
+  softmax.finalize(o, lse, blk.split_rank == 0 ? cuda::sink_log2(p, wblk.h) : -INFINITY);
   if constexpr (Traits::kSplitKeys) {
     if (blk.num_splits > 1 && !merge_key_splits<Traits>(o_flat, lse, smem, blk)) return;
   }
@@ -303,7 +330,7 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
   if constexpr (Traits::kCompact)
     cuda::stage_output_tile<typename Traits::QTile>(o, smem.o, warp_row0, lane);
   else
-    cuda::stage_output<typename Traits::QTile>(o, lse, smem.o, blk, p, warp_row0, lane);
+    cuda::stage_output<typename Traits::QTile>(o, lse, smem.o, wblk, p, warp_row0, lane);
   // The staged O (generic-proxy writes) is made visible to TMA (async proxy) by each writer's fence and the
   // barrier; then one thread stores the tile, one 64-column box a span (rows past seqlen_q and columns past
   // head_dim are clipped by TMA). Without kSeparateO the Q/O buffer goes back to the producer's next Q load only
@@ -313,8 +340,8 @@ __device__ __forceinline__ void consume_tile(const FwdParams& p, const cuda::Fwd
     // Each warp stores the 16 rows it staged, so only its own writes precede its reads (a block-wide handoff
     // through the consumers' barrier drew intermittent racecheck reports); then the staging buffer (Q's, without
     // kSeparateO) goes back to the producer once every warp has arrived on q_empty.
-    cuda::store_warp_rows<typename Traits::QTile, 16>(smem.o, blk.out, p.out_stride.seq, m0, warp_row0, blk.seqlen_q,
-                                                      (int)p.head_dim, lane);
+    cuda::store_warp_rows<typename Traits::QTile, 16>(smem.o, wblk.out, p.out_stride.seq, wblk.m0, warp_row0,
+                                                      blk.seqlen_q, (int)p.head_dim, lane);
     if constexpr (!Traits::kSeparateO) {
       __syncwarp();
       if (lane == 0) ptx::mbarrier_arrive(smem.q_empty);

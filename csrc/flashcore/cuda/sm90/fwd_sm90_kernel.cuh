@@ -75,7 +75,8 @@ __device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_bloc
     // Varlen: the offsets and the launch order (seqlen.h) are global memory the previous grid may have written.
     if constexpr (Traits::kVarlen) ptx::wait_for_prior_grids();
     const auto blk =
-        cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN, Traits::kVarlen>(p, num_m_blocks, (int)blockIdx.x);
+        cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN, Traits::kVarlen, /*kPackGqa=*/Traits::kVarlen>(
+            p, num_m_blocks, (int)blockIdx.x);
     if (Traits::kVarlen && blk.m0 >= blk.seqlen_q) return;  // past its sequence's end: the whole block skips it
     if constexpr (!Traits::kVarlen) ptx::wait_for_prior_grids();
     tile_fn(blk, 0, 0);

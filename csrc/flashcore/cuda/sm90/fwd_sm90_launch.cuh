@@ -16,6 +16,7 @@
 #include "../../switches.h"
 #include "../launch_utils.cuh"
 #include "fwd_sm90_kernel.cuh"
+#include "fwd_sm90_pack_gqa.h"
 #include "tma_desc.h"
 
 namespace flashcore::sm90 {
@@ -186,7 +187,9 @@ void launch_fwd_width(const FwdParams& p, int num_sms, cudaStream_t stream) {
 // per (sequence, head, query tile) over max_seqlen_q (p.seqlen_q) rows, no key split, the batch in its given order
 // (the backward's launch schedule measured 3 % slower here: docs/PERFORMANCE.md). The descriptors cover the packed
 // tensors as one (1, heads, total, dim) entry each; the dispatcher checks that TMA can describe them
-// (tma_compatible with batch 1).
+// (tma_compatible with batch 1). Where it computes fewer padded rows, a block packs the query heads of a group
+// (pick_pack_gqa; params.h: PackGqa): Q's box then spans them, and the grid has heads_q / pack head groups of
+// ceil(max_seqlen_q / rows) blocks.
 template <int kHeadDim, typename Element, bool kScoreMod>
 void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   using Config = FwdSm90Config<kHeadDim>;
@@ -195,11 +198,15 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   auto kernel = configured_fwd_kernel<Traits>();
   constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
   const int64_t total_q = p.varlen.total_q, total_k = p.varlen.total_k;
-  const CUtensorMap tm_q = make_tensor_map_bhsd(p.q, p.q_stride, 1, p.heads_q, total_q, p.head_dim, Traits::kBlockM,
-                                                kBf16);
+  FwdParams params = p;
+  const int pack = pick_pack_gqa(p.group, p.seqlen_q, Traits::kBlockM, pack_gqa_enabled());
+  params.pack.heads = pack;
+  params.pack.rows = Traits::kBlockM / pack;
+  params.pack.groups_div = FastDiv(p.heads_q / pack);
+  const CUtensorMap tm_q = make_tensor_map_bhsd(p.q, p.q_stride, 1, p.heads_q, total_q, p.head_dim,
+                                                params.pack.rows, kBf16, pack);
   // Paged keys (seqlen.h): k and v as (pages, heads_kv, page_size, dim), boxes of a power of two of keys dividing
   // both the page and the tile (a box never crosses a page; the host takes pages of a multiple of 16 keys).
-  FwdParams params = p;
   const bool paged = p.varlen.block_table != nullptr;
   const int64_t page = paged ? p.varlen.page_size : total_k;
   const int64_t pages = paged ? total_k / page : 1;
@@ -210,9 +217,12 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
                                                 box, kBf16);
   const CUtensorMap tm_v = make_tensor_map_bhsd(p.v, paged_strides(p.v_stride), pages, p.heads_kv, page, p.head_dim,
                                                 box, kBf16);
-  const int num_m_blocks = (int)((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
-  const int64_t num_tiles = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked <= INT32_MAX
-  record_kernel(Pass::kFwd, KernelTrace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, 1, false, kScoreMod, true});
+  const int num_m_blocks = (int)((p.seqlen_q + params.pack.rows - 1) / params.pack.rows);
+  // At most the unpacked grid's tiles, which the host checked <= INT32_MAX.
+  const int64_t num_tiles = (int64_t)num_m_blocks * p.batch * (p.heads_q / pack);
+  KernelTrace trace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, 1, false, kScoreMod, true};
+  trace.pack_gqa = pack;
+  record_kernel(Pass::kFwd, trace);
   static cuda::PdlSupport pdl;
   // tm_o: unused by the varlen epilogue (bounded stores), passed to fill the parameter.
   cuda::launch_kernel(kernel, pdl, dim3((unsigned)num_tiles), dim3(Traits::kNThreads), Traits::kSmemBytes, stream, 1u,

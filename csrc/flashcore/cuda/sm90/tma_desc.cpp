@@ -55,7 +55,7 @@ bool tma_compatible(const void* base, const Strides& s, int64_t batch, int64_t h
 }
 
 CUtensorMap make_tensor_map_bhsd(const void* base, const Strides& s, int64_t batch, int64_t heads, int64_t seqlen,
-                                 int64_t head_dim, int box_rows, bool bf16) {
+                                 int64_t head_dim, int box_rows, bool bf16, int box_heads) {
   CUtensorMap map;
   const cuuint64_t dims[4] = {(cuuint64_t)head_dim, (cuuint64_t)seqlen, (cuuint64_t)heads, (cuuint64_t)batch};
   const cuuint64_t row = ((cuuint64_t)head_dim * 2 + 15) / 16 * 16;
@@ -63,7 +63,7 @@ CUtensorMap make_tensor_map_bhsd(const void* base, const Strides& s, int64_t bat
   const cuuint64_t head_b = stride_bytes(s.head, heads, seq_b * dims[1]);
   const cuuint64_t batch_b = stride_bytes(s.batch, batch, head_b * dims[2]);
   const cuuint64_t strides[3] = {seq_b, head_b, batch_b};
-  const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, 1, 1};
+  const cuuint32_t box[4] = {64, (cuuint32_t)box_rows, (cuuint32_t)box_heads, 1};
   const CUresult res = encode_swizzled(&map, bf16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
                                        4, base, dims, strides, box);
   TORCH_CHECK(res == CUDA_SUCCESS, "flashcore: cuTensorMapEncodeTiled failed (CUresult ", (int)res,

@@ -17,10 +17,11 @@ namespace flashcore::sm90 {
 // 16 bytes and below 2^40 bytes, sizes below 2^32. The dispatcher sends anything else to the mma.sync family.
 bool tma_compatible(const void* base, const Strides& s, int64_t batch, int64_t heads, int64_t seqlen);
 
-// Encodes the descriptor; dims are (head_dim, seqlen, heads, batch), box (64, box_rows, 1, 1). Throws (TORCH_CHECK)
-// if the driver refuses, which tma_compatible rules out.
+// Encodes the descriptor; dims are (head_dim, seqlen, heads, batch), box (64, box_rows, box_heads, 1): box_heads > 1
+// lands box_heads heads' rows one after another in shared memory (pack-GQA, params.h: PackGqa). Throws
+// (TORCH_CHECK) if the driver refuses, which tma_compatible rules out.
 CUtensorMap make_tensor_map_bhsd(const void* base, const Strides& s, int64_t batch, int64_t heads, int64_t seqlen,
-                                 int64_t head_dim, int box_rows, bool bf16);
+                                 int64_t head_dim, int box_rows, bool bf16, int box_heads = 1);
 
 // Descriptor of a row-major fp32 matrix (rows x cols, rows 16-byte aligned) read or reduced into as boxes of
 // box_cols (32: one 128-byte swizzle span) x box_rows: the backward's dQ accumulator.

@@ -1,0 +1,56 @@
+// Pack-GQA for the Hopper varlen forward (params.h: PackGqa): how many query heads of one key/value head share a
+// block. Host code only; the launcher (fwd_sm90_launch.cuh) and the KV-cache prefill's router
+// (attention_cuda.cpp) both ask here, so the router's grid estimate is the grid that is launched.
+//
+// Why: the varlen forward's block holds kBlockM query rows (192 at head-dim tiles 64/96, 128 at 128/256) of one
+// head. A chunked prefill of a KV cache (tens of new tokens a sequence, GQA) fills a fraction of them, and every
+// query head's block reads its K/V head's whole cache again. Packed, the group's heads fill the rows (block row r is
+// query r % rows of head h0 + r / rows) and read each K/V tile once for all of them.
+#pragma once
+
+#include <cstdint>
+
+#include "fwd_sm90_config.cuh"
+
+namespace flashcore::sm90 {
+
+// Rows of the varlen forward's block at a head-dim tile (launch_fwd_varlen: the configured width).
+constexpr int varlen_fwd_block_m(int head_dim_tile) {
+  return 64 * (head_dim_tile <= 64    ? FwdSm90Config<64>::kWarpgroups
+               : head_dim_tile <= 96  ? FwdSm90Config<96>::kWarpgroups
+               : head_dim_tile <= 128 ? FwdSm90Config<128>::kWarpgroups
+                                      : FwdSm90Config<256>::kWarpgroups);
+}
+
+// Query rows a block computes (padding included) for `heads` query heads with max_seqlen_q rows each, packing
+// `pack` heads a block of block_m rows.
+inline int64_t packed_rows(int64_t heads, int64_t max_seqlen_q, int block_m, int pack) {
+  const int64_t rows = block_m / pack;
+  return (max_seqlen_q + rows - 1) / rows * block_m * (heads / pack);
+}
+
+// The heads a block packs: among the divisors g of the group whose rows a head (block_m / g) are a multiple of 16
+// (one head a warp's m16 rows), the one that computes the fewest padded rows; ties keep the smaller g (1: no
+// packing), so long sequences, which no packing shortens, run as before. enabled = false: 1 (A/B switch).
+inline int pick_pack_gqa(int64_t group, int64_t max_seqlen_q, int block_m, bool enabled = true) {
+  int best = 1;
+  if (!enabled || group < 2) return best;
+  int64_t best_rows = packed_rows(group, max_seqlen_q, block_m, 1);
+  for (int g = 2; g <= group && 16 * g <= block_m; ++g) {
+    if (group % g != 0 || block_m % (16 * g) != 0) continue;
+    const int64_t rows = packed_rows(group, max_seqlen_q, block_m, g);
+    if (rows < best_rows) best = g, best_rows = rows;
+  }
+  return best;
+}
+
+// Blocks of the varlen forward's grid for `batch` sequences of at most max_seqlen_q queries.
+inline int64_t varlen_fwd_blocks(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t max_seqlen_q,
+                                 int head_dim_tile, bool pack_enabled) {
+  const int block_m = varlen_fwd_block_m(head_dim_tile);
+  const int g = pick_pack_gqa(heads_kv > 0 ? heads_q / heads_kv : 1, max_seqlen_q, block_m, pack_enabled);
+  const int64_t rows = block_m / g;
+  return batch * (heads_q / g) * ((max_seqlen_q + rows - 1) / rows);
+}
+
+}  // namespace flashcore::sm90
