@@ -661,16 +661,17 @@ PREFILL_MODE_SMALL_PAGES = dict(B=3, Sq=128, Sn=128, lens=[0, 200, FULL - 128])
 
 
 def prefill_on_varlen(page_size=None, new_tokens=PREFILL_MODE["Sq"]):
-    """Whether a PREFILL_HEADS (head dim 128) prefill runs on the Hopper varlen forward here (attention_cuda.cpp:
-    Hopper, 33 new tokens or more than 64 query rows a KV head, a grid of 128-row blocks, query heads packed, with at
-    least a third as many blocks as SMs, and paged caches with pages of a multiple of 64 keys, or of 16 from 64 new
-    tokens)."""
+    """Whether a PREFILL_HEADS (head dim 128: 128-row blocks) prefill runs on the Hopper varlen forward here
+    (attention_cuda.cpp: Hopper; 33 new tokens or more, or fewer where the packed blocks are more than half queries; a
+    grid, query heads packed, of at least a third as many blocks as SMs; paged caches with pages of a multiple of 64
+    keys, or of 16 from 64 new tokens)."""
     props = torch.cuda.get_device_properties(0)
     hq, hkv = PREFILL_HEADS
     g = pack_gqa_heads(hq // hkv, new_tokens, 128)
-    blocks = PREFILL_MODE["B"] * (hq // g) * -(-new_tokens // (128 // g))
+    rows = 128 // g
+    blocks = PREFILL_MODE["B"] * (hq // g) * -(-new_tokens // rows)
     pages_fit = page_size is None or page_size % 64 == 0 or (page_size % 16 == 0 and new_tokens >= 64)
-    enough_rows = new_tokens >= 33 or new_tokens * (hq // hkv) > 64
+    enough_rows = new_tokens >= 33 or 2 * g * min(new_tokens, rows) > 128
     return (torch.cuda.get_device_capability() == (9, 0) and enough_rows and 3 * blocks >= props.multi_processor_count
             and pages_fit)
 

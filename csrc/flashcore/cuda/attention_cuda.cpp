@@ -582,18 +582,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
 // cache_seqlens[b] are used: the same clamping, causal alignment, window, ALiBi offset and empty-entry outputs as
 // the decode kernel's, and the slots past an entry's length are never read into the output (the varlen kernel
 // zeroes V past a sequence's used keys; TMA zero-fills pages past it). Taken from kPrefillOnVarlenMinTokens new
-// tokens a sequence, or fewer where a KV head's query rows (new tokens x query heads a KV head) are more than one of
-// the decode kernel's kDecodeBlockRows-row blocks, and where the Hopper kernel's grid (its query heads packed,
-// sm90/fwd_sm90_pack_gqa.h) has at least a third as many blocks as the GPU has SMs; without cache_batch_idx, left
-// pad or forced split count, for caches whose rows (or pages) view as packed (rows, heads, dim) tensors and, paged,
-// pages of a multiple of 16 keys. Returns false (nothing done) otherwise.
+// tokens a sequence, or fewer where the Hopper kernel's blocks (the group's query heads packed into them,
+// sm90/fwd_sm90_pack_gqa.h) are more than half queries, and where its grid has at least a third as many blocks as the
+// GPU has SMs; without cache_batch_idx, left pad or forced split count, on a build with the Hopper varlen kernel for
+// the head dim and caches whose rows (or pages) TMA can read as packed (rows, heads, dim) tensors (else the decode
+// kernel, never the mma.sync varlen one), paged ones in pages of a multiple of 16 keys. Returns false (nothing done)
+// otherwise.
 // The decode kernel's cost grows with each 64 packed rows of a KV head, the Hopper kernel's with its waves of
-// blocks (128 or 192 rows, the group's heads packed), and it has no key split for a small grid. H100, 8 x 8k, Hq 32
-// / Hkv 8, us decode / Hopper one head a block: 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64
-// 353.0 / 214.1; 1 x 128k (32 blocks) with 64 tokens 683.0 / 1378.5. Packed, the Hopper kernel takes ~120 us at
-// 8 x 8k from 17 to 64 tokens (64 or 128 blocks); docs/PERFORMANCE.md.
+// blocks (128 or 192 rows), and it has no key split for a small grid. H100, 8 x 8k, Hq 32 / Hkv 8, us decode /
+// Hopper one head a block: 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64 353.0 / 214.1; 1 x 128k
+// (32 blocks) with 64 tokens 683.0 / 1378.5. Packed (4 heads a block from 17 tokens), the Hopper kernel takes
+// ~115-120 us at 8 x 8k from 24 to 64 tokens (64 or 128 blocks); docs/PERFORMANCE.md.
 constexpr int64_t kPrefillOnVarlenMinTokens = 33;
-constexpr int64_t kDecodeBlockRows = 64;
 // Paged caches with pages under 64 keys: the Hopper kernel's producer issues up to 32 boxes and 8 block-table reads
 // a 128-key tile, so the decode kernel keeps the shortest prefills (H100, pages of 16, us Hopper / decode: 8 x 8k
 // 64 tokens 394.6 / 376.1, 128 tokens 397.0 / 746.2; 64 entries of mixed lengths, 64 tokens 618.5 / 737.4).
@@ -613,7 +613,7 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   const bool pages_fit = rows_per_cache_row % 16 == 0 &&
                          (rows_per_cache_row % 64 == 0 || Sq >= kPagedSmallPagesMinTokens);
   if (!is_hopper(prop) || args.cache_batch_idx.defined() || args.cache_leftpad.defined() || args.num_splits > 0 ||
-      (Sq < kPrefillOnVarlenMinTokens && Sq * (Hq / key_cache.size(2)) <= kDecodeBlockRows) || capacity == 0 || (paged ? !pages_fit : key_cache.size(0) < B) ||
+      capacity == 0 || (paged ? !pages_fit : key_cache.size(0) < B) ||
       (B + 1) * std::max(Sq, capacity) > std::numeric_limits<int32_t>::max() || forced_fwd_family() == "sm80")
     return false;
   // The caches as packed (rows, heads_kv, dim) tensors: a dense cache's first B rows back to back (entry b's keys
@@ -628,9 +628,18 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   const std::optional<at::Tensor> k = packed(key_cache), v = packed(value_cache);
   if (!k || !v) return false;
   const at::Tensor q = query.reshape({B * Sq, Hq, D});
-  const cuda::FwdKernelEntry& kernel = select_varlen_fwd_kernel(q, *k, *v, prop, Sq, transforms_scores(opts), true);
-  const int64_t blocks = sm90::varlen_fwd_blocks(B, Hq, k->size(1), Sq, kernel.head_dim_tile, pack_gqa_enabled());
-  if (std::string(kernel.family) != "sm90" || 3 * blocks < prop.multiProcessorCount) return false;
+  // The entry select_varlen_fwd_kernel picks (short_rows_on_sm90, not forced to sm80) where TMA can read the tensors.
+  const cuda::FwdKernelEntry* sm90 = sm90_varlen_entry<cuda::FwdKernelEntry>(
+      [&](bool mod) { return cuda::find_fwd_kernel("sm90", (int)D, to_dtype(query.scalar_type()), mod); },
+      transforms_scores(opts));
+  if (sm90 == nullptr || !packed_tma_ready(q) || !packed_tma_ready(*k) || !packed_tma_ready(*v)) return false;
+  const int64_t Hkv = k->size(1);
+  const bool pack = pack_gqa_enabled();
+  if (Sq < kPrefillOnVarlenMinTokens &&
+      !sm90::varlen_fwd_blocks_mostly_full(Hq, Hkv, Sq, sm90->head_dim_tile, pack))
+    return false;
+  if (3 * sm90::varlen_fwd_blocks(B, Hq, Hkv, Sq, sm90->head_dim_tile, pack) < prop.multiProcessorCount)
+    return false;
   const auto i32 = query.options().dtype(at::kInt);
   const at::Tensor cu_q = at::arange(0, (B + 1) * Sq, Sq, i32);
   const at::Tensor cu_k = paged ? cu_q : at::arange(0, (B + 1) * capacity, capacity, i32);  // paged: not read

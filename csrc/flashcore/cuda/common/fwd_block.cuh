@@ -14,7 +14,7 @@ namespace flashcore::cuda {
 
 template <typename Element>
 struct FwdBlock {
-  int64_t bh;     // b * heads_q + h: also the row of lse
+  int64_t bh;     // b * heads_q + h: also the row of lse (dense; pack-GQA: b * (heads_q / heads) + h / heads)
   int b, h, h_kv;  // batch, query head, key/value head
   int m0;         // first query row of the block
   // Key blocks [n_first, n_blocks) may be visible from some row of the block (the mask's band), visited last

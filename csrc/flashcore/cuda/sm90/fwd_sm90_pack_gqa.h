@@ -30,18 +30,32 @@ inline int64_t packed_rows(int64_t heads, int64_t max_seqlen_q, int block_m, int
 }
 
 // The heads a block packs: among the divisors g of the group whose rows a head (block_m / g) are a multiple of 16
-// (one head a warp's m16 rows), the one that computes the fewest padded rows; ties keep the smaller g (1: no
-// packing), so long sequences, which no packing shortens, run as before. enabled = false: 1 (A/B switch).
+// (one head a warp's m16 rows), the one that computes the fewest padded rows, ties to the smaller g; and 1 (no
+// packing) unless that saves at least an eighth of the unpacked rows. So short sequences pack (64 queries, 4 heads a
+// KV head, 128-row blocks: half the rows), while long ones, whose blocks are full either way and whose packed
+// shapes were not measured, keep one head a block (4097 queries: 2 % fewer rows, not packed). enabled = false: 1
+// (A/B switch).
 inline int pick_pack_gqa(int64_t group, int64_t max_seqlen_q, int block_m, bool enabled = true) {
   int best = 1;
   if (!enabled || group < 2) return best;
-  int64_t best_rows = packed_rows(group, max_seqlen_q, block_m, 1);
+  const int64_t unpacked = packed_rows(group, max_seqlen_q, block_m, 1);
+  int64_t best_rows = unpacked;
   for (int g = 2; g <= group && 16 * g <= block_m; ++g) {
     if (group % g != 0 || block_m % (16 * g) != 0) continue;
     const int64_t rows = packed_rows(group, max_seqlen_q, block_m, g);
     if (rows < best_rows) best = g, best_rows = rows;
   }
-  return best;
+  return 8 * best_rows <= 7 * unpacked ? best : 1;
+}
+
+// Whether a block of the grid above is more than half queries: each of its g heads' rows (block_m / g) holds up to
+// max_seqlen_q of them. The KV-cache prefill's router takes the Hopper kernel for few new tokens only then.
+inline bool varlen_fwd_blocks_mostly_full(int64_t heads_q, int64_t heads_kv, int64_t max_seqlen_q, int head_dim_tile,
+                                          bool pack_enabled) {
+  const int block_m = varlen_fwd_block_m(head_dim_tile);
+  const int g = pick_pack_gqa(heads_kv > 0 ? heads_q / heads_kv : 1, max_seqlen_q, block_m, pack_enabled);
+  const int64_t rows = block_m / g;
+  return 2 * g * (max_seqlen_q < rows ? max_seqlen_q : rows) > block_m;
 }
 
 // Blocks of the varlen forward's grid for `batch` sequences of at most max_seqlen_q queries.
