@@ -633,12 +633,9 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
       [&](bool mod) { return cuda::find_fwd_kernel("sm90", (int)D, to_dtype(query.scalar_type()), mod); },
       transforms_scores(opts));
   if (sm90 == nullptr || !packed_tma_ready(q) || !packed_tma_ready(*k) || !packed_tma_ready(*v)) return false;
-  const int64_t Hkv = k->size(1);
-  const bool pack = pack_gqa_enabled();
-  if (Sq < kPrefillOnVarlenMinTokens &&
-      !sm90::varlen_fwd_blocks_mostly_full(Hq, Hkv, Sq, sm90->head_dim_tile, pack))
-    return false;
-  if (3 * sm90::varlen_fwd_blocks(B, Hq, Hkv, Sq, sm90->head_dim_tile, pack) < prop.multiProcessorCount)
+  const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, k->size(1), Sq, sm90->head_dim_tile, pack_gqa_enabled());
+  if ((Sq < kPrefillOnVarlenMinTokens && !grid.mostly_full(Sq)) ||
+      3 * grid.blocks(B, Hq, Sq) < prop.multiProcessorCount)
     return false;
   const auto i32 = query.options().dtype(at::kInt);
   const at::Tensor cu_q = at::arange(0, (B + 1) * Sq, Sq, i32);

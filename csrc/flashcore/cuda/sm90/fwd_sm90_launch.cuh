@@ -198,10 +198,12 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   auto kernel = configured_fwd_kernel<Traits>();
   constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
   const int64_t total_q = p.varlen.total_q, total_k = p.varlen.total_k;
+  static_assert(varlen_fwd_block_m(kHeadDim) == Traits::kBlockM, "the router's grid estimate is this grid");
   FwdParams params = p;
-  const int pack = pick_pack_gqa(p.group, p.seqlen_q, Traits::kBlockM, pack_gqa_enabled());
+  const VarlenFwdPack grid = varlen_fwd_pack(p.heads_q, p.heads_kv, p.seqlen_q, kHeadDim, pack_gqa_enabled());
+  const int pack = grid.heads;
   params.pack.heads = pack;
-  params.pack.rows = Traits::kBlockM / pack;
+  params.pack.rows = (int)grid.rows;
   params.pack.groups_div = FastDiv(p.heads_q / pack);
   const CUtensorMap tm_q = make_tensor_map_bhsd(p.q, p.q_stride, 1, p.heads_q, total_q, p.head_dim,
                                                 params.pack.rows, kBf16, pack);
@@ -219,7 +221,7 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
                                                 box, kBf16);
   const int num_m_blocks = (int)((p.seqlen_q + params.pack.rows - 1) / params.pack.rows);
   // At most the unpacked grid's tiles, which the host checked <= INT32_MAX.
-  const int64_t num_tiles = (int64_t)num_m_blocks * p.batch * (p.heads_q / pack);
+  const int64_t num_tiles = grid.blocks(p.batch, p.heads_q, p.seqlen_q);
   KernelTrace trace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, 1, false, kScoreMod, true};
   trace.pack_gqa = pack;
   record_kernel(Pass::kFwd, trace);

@@ -48,23 +48,28 @@ inline int pick_pack_gqa(int64_t group, int64_t max_seqlen_q, int block_m, bool 
   return 8 * best_rows <= 7 * unpacked ? best : 1;
 }
 
-// Whether a block of the grid above is more than half queries: each of its g heads' rows (block_m / g) holds up to
-// max_seqlen_q of them. The KV-cache prefill's router takes the Hopper kernel for few new tokens only then.
-inline bool varlen_fwd_blocks_mostly_full(int64_t heads_q, int64_t heads_kv, int64_t max_seqlen_q, int head_dim_tile,
-                                          bool pack_enabled) {
-  const int block_m = varlen_fwd_block_m(head_dim_tile);
-  const int g = pick_pack_gqa(heads_kv > 0 ? heads_q / heads_kv : 1, max_seqlen_q, block_m, pack_enabled);
-  const int64_t rows = block_m / g;
-  return 2 * g * (max_seqlen_q < rows ? max_seqlen_q : rows) > block_m;
-}
+// The varlen forward's blocks for a call: block_m rows, `heads` query heads of `rows` queries each.
+struct VarlenFwdPack {
+  int block_m;
+  int heads;
+  int64_t rows;
 
-// Blocks of the varlen forward's grid for `batch` sequences of at most max_seqlen_q queries.
-inline int64_t varlen_fwd_blocks(int64_t batch, int64_t heads_q, int64_t heads_kv, int64_t max_seqlen_q,
-                                 int head_dim_tile, bool pack_enabled) {
+  // Blocks of the grid for `batch` sequences of at most max_seqlen_q queries and heads_q query heads.
+  int64_t blocks(int64_t batch, int64_t heads_q, int64_t max_seqlen_q) const {
+    return batch * (heads_q / heads) * ((max_seqlen_q + rows - 1) / rows);
+  }
+  // Whether a block is more than half queries (each head's rows hold up to max_seqlen_q of them): the KV-cache
+  // prefill's router takes the Hopper kernel for few new tokens only then.
+  bool mostly_full(int64_t max_seqlen_q) const {
+    return 2 * heads * (max_seqlen_q < rows ? max_seqlen_q : rows) > block_m;
+  }
+};
+
+inline VarlenFwdPack varlen_fwd_pack(int64_t heads_q, int64_t heads_kv, int64_t max_seqlen_q, int head_dim_tile,
+                                     bool pack_enabled) {
   const int block_m = varlen_fwd_block_m(head_dim_tile);
   const int g = pick_pack_gqa(heads_kv > 0 ? heads_q / heads_kv : 1, max_seqlen_q, block_m, pack_enabled);
-  const int64_t rows = block_m / g;
-  return batch * (heads_q / g) * ((max_seqlen_q + rows - 1) / rows);
+  return VarlenFwdPack{block_m, g, block_m / g};
 }
 
 }  // namespace flashcore::sm90
