@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 import flashcore
-from conftest import (assert_ran, check_close, check_lse, cuda_skip_reason, gpu_families, lowp_attention,
-                      make_generator, randn, reference_attention)
+from conftest import (assert_ran, check_close, check_gradients, check_lse, cuda_skip_reason, gpu_families,
+                      lowp_attention, make_generator, pack_gqa_heads, randn, reference_attention)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")]
 
@@ -86,6 +86,52 @@ def test_forward_forced_block_height(request, monkeypatch, warpgroups):
     monkeypatch.setenv("FLASHCORE_FWD_WARPGROUPS", str(warpgroups))
     check_forward(*random_qkv(request, (1, 8, 4, 700, 900), 64, torch.bfloat16, "bshd", "bhsd"), "none", "sm90")
     assert f" wg{warpgroups}" in flashcore.last_kernel("fwd")
+
+
+def packed_route_expected(shape, head_dim, bshd):
+    """Whether a dense call runs on the Hopper varlen kernel with query heads packed (attention_cuda.cpp:
+    dense_on_packed_varlen): Hopper, GQA, BSHD memory, a pack the rule takes, queries at most half of a one-head
+    block and more than half of a packed one, and a grid of at least a third as many blocks as SMs."""
+    B, Hq, Hkv, Sq, Sk = shape
+    if torch.cuda.get_device_capability() != (9, 0) or Hkv >= Hq or not bshd:
+        return False
+    block_m = 192 if head_dim <= 96 else 128
+    g = pack_gqa_heads(Hq // Hkv, Sq, block_m)
+    rows = block_m // g
+    blocks = B * (Hq // g) * -(-Sq // rows)
+    return (g > 1 and 2 * Sq <= block_m and 2 * g * min(Sq, rows) > block_m
+            and 3 * blocks >= torch.cuda.get_device_properties(0).multi_processor_count)
+
+
+# Dense GQA calls with a few queries a head against many keys (a chunked prefill or a speculative-decoding check
+# through flash_attn_func or SDPA): in BSHD memory on Hopper the varlen kernel runs them with the group's query heads
+# packed into a block's rows; in BHSD memory, or where the queries fill the blocks anyway, the dense kernels. Both
+# causal alignments (top-left keeps the first keys only; bottom-right almost all), and a grid too small to route.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
+@pytest.mark.parametrize("shape", [(6, 32, 8, 40, 3000), (24, 16, 2, 16, 1500), (5, 24, 2, 7, 700),
+                                   (2, 8, 2, 40, 500)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_forward_gqa_few_queries(request, dtype, head_dim, mask, shape, layout):
+    q, k, v = random_qkv(request, shape, head_dim, dtype, layout, layout)
+    check_forward(q, k, v, mask)
+    ran = flashcore.last_kernel("fwd")
+    assert ("varlen" in ran) == packed_route_expected(shape, head_dim, layout == "bshd"), ran
+
+
+def test_backward_after_packed_forward(request):
+    """The dense backward takes the out and lse the packed varlen forward wrote (the route is forward only)."""
+    shape = (6, 32, 8, 40, 3000)
+    q, k, v = (t.requires_grad_() for t in random_qkv(request, shape, 128, torch.bfloat16, "bshd", "bshd"))
+    out = flashcore.attention(q, k, v, enable_gqa=True)
+    assert ("varlen" in flashcore.last_kernel("fwd")) == packed_route_expected(shape, 128, True)
+    dout = torch.randn(out.shape, generator=make_generator(request, DEV), device=DEV).to(out.dtype)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    low = torch.autograd.grad(lowp_attention(q, k, v), (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(reference_attention(q64, k64, v64)[0], (q64, k64, v64), dout.double())
+    check_gradients(got, want, low)
 
 
 # Long key sequences: the sm90 launcher switches unmasked head-dim-128 calls to wider key tiles from

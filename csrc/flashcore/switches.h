@@ -15,8 +15,9 @@
 //                                               CPU always validates them)
 //   FLASHCORE_VARLEN_SCHEDULE=0                 run a varlen backward's sequences in their given order on a grid of
 //                                               max_seqlen_k's blocks each, not longest first on a packed grid (A/B)
-//   FLASHCORE_PACK_GQA=0                        the sm90 varlen forward keeps one query head a block, not the
-//                                               group's heads packed into its rows (A/B; sm90/fwd_sm90_pack_gqa.h)
+//   FLASHCORE_PACK_GQA=0                        no pack-GQA: the sm90 varlen forward keeps one query head a block,
+//                                               and dense or short varlen GQA calls the kernels they took without
+//                                               it (A/B; sm90/fwd_sm90_pack_gqa.h)
 //   FLASHCORE_BWD_WIDE_STEPS=0                  the sm90 backward at head-dim tiles 96 and 128 takes 64-row steps,
 //                                               not its 80-row kernel (A/B)
 //   FLASHCORE_BWD_TMA_EPILOGUE=0                the sm90 backward stores dK/dV from registers, not through shared

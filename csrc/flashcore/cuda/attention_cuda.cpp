@@ -103,6 +103,12 @@ const cuda::FwdKernelEntry& select_fwd_kernel(const at::Tensor& query, const at:
   return *sm80;
 }
 
+bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const cudaDeviceProp& prop, double softmax_scale, bool is_causal, bool causal_bottom_right,
+                            int64_t window_left, int64_t window_right, double softcap,
+                            const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes,
+                            bool score_mod, at::Tensor& out, at::Tensor& lse);
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at::Tensor& key_in,
                                             const at::Tensor& value_in, double softmax_scale, bool is_causal,
                                             bool causal_bottom_right, int64_t window_left, int64_t window_right,
@@ -122,6 +128,9 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at
   const at::Tensor value = aligned_for_16b_loads(value_in);
   const FwdParams p = make_fwd_params(query, key, value, out, lse, opts);
   if (fwd_is_trivial(p, out, lse, opts)) return {out, lse};
+  if (dense_on_packed_varlen(query, key, value, prop, softmax_scale, is_causal, causal_bottom_right, window_left,
+                             window_right, softcap, sinks, alibi_slopes, transforms_scores(opts), out, lse))
+    return {out, lse};
 
   const cuda::FwdKernelEntry& kernel = select_fwd_kernel(query, key, value, prop, transforms_scores(opts));
   record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile, 0, 1, false, kernel.score_mod});
@@ -308,7 +317,9 @@ bool packed_tma_ready(const at::Tensor& t) {
 // The varlen forward: the wgmma family on compute capability 9.0 for tensors TMA can describe, the mma.sync
 // family elsewhere and for batches of short sequences (max_seqlen_q <= kVarlenSm90MinRows): there the Hopper
 // kernel's 192/128-row, 384-thread blocks hold at most 64 rows of work each (H100, 10 000 causal sequences of 1-64
-// tokens, 16 heads, hd128 bf16: 6.5 ms against the mma.sync kernel's 4.0). The mma.sync family's varlen kernels
+// tokens, 16 heads, hd128 bf16: 6.5 ms against the mma.sync kernel's 4.0), unless GQA packing makes its blocks more
+// than half queries (sm90/fwd_sm90_pack_gqa.h; 8 sequences of 64 queries on 8192 keys, 32 / 8 heads: 137 us packed
+// against 431 on mma.sync). The mma.sync family's varlen kernels
 // are its score-mod variants; the wgmma family has plain ones too. FLASHCORE_FORCE_KERNEL forces a family as for fwd.
 constexpr int64_t kVarlenSm90MinRows = 64;
 
@@ -338,7 +349,12 @@ const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const 
     TORCH_CHECK(is_hopper(prop) && sm90 != nullptr, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 needs a compute "
                 "capability 9.0 GPU and a build with sm90 kernels for head_dim ", head_dim);
   }
-  const bool short_rows = max_seqlen_q <= kVarlenSm90MinRows && forced != "sm90" && !short_rows_on_sm90;
+  bool short_rows = max_seqlen_q <= kVarlenSm90MinRows && forced != "sm90" && !short_rows_on_sm90;
+  if (short_rows && sm90 != nullptr && k.size(1) > 0) {
+    const sm90::VarlenFwdPack grid =
+        sm90::varlen_fwd_pack(q.size(1), k.size(1), max_seqlen_q, sm90->head_dim_tile, pack_gqa_enabled());
+    short_rows = !(grid.heads > 1 && grid.mostly_full(max_seqlen_q));
+  }
   if (sm90 != nullptr && is_hopper(prop) && !short_rows && packed_tma_ready(q) && packed_tma_ready(k) &&
       packed_tma_ready(v))
     return *sm90;
@@ -404,8 +420,8 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_fwd(const at::Tensor& query_in, co
                                                   const std::optional<at::Tensor>& sinks,
                                                   const std::optional<at::Tensor>& alibi_slopes,
                                                   const std::optional<at::Tensor>& seqused_k, bool short_rows_on_sm90,
-                                                  const PagedKeys* paged = nullptr) {
-  const AttentionOptions opts = make_options(softmax_scale, is_causal, /*causal_bottom_right=*/true, window_left,
+                                                  const PagedKeys* paged = nullptr, bool causal_bottom_right = true) {
+  const AttentionOptions opts = make_options(softmax_scale, is_causal, causal_bottom_right, window_left,
                                              window_right, softcap, sinks, alibi_slopes);
   const VarlenArgs args = make_varlen_args(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k);
   if (paged == nullptr) check_varlen_fwd_inputs(query_in, key_in, value_in, args, opts, kCudaLimits);
@@ -652,6 +668,52 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   else
     out.copy_(o_bshd);
   lse.copy_(l.view({Hq, B, Sq}).permute({1, 0, 2}));
+  return true;
+}
+
+// Dense calls with a few queries a head against many keys under GQA (a chunked prefill or a speculative-decoding
+// check written against flash_attn_func or SDPA): the dense kernels' blocks hold one query head's few queries, and
+// every query head's block reads its K/V head again, while the Hopper varlen kernel packs the group's query heads
+// into one block's rows (sm90/fwd_sm90_pack_gqa.h). Taken on Hopper where it packs, the queries fill at most half of
+// a block of one head and more than half of a packed block, the packed grid has at least a third as many blocks as
+// SMs, and query, key and value are BSHD in memory (each a packed (rows, heads, dim) view: batch stride = seq_len x
+// seq stride). Writes out and lse as the dense kernels would (the backward reads them as it reads theirs); returns
+// false (nothing done) otherwise.
+bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                            const cudaDeviceProp& prop, double softmax_scale, bool is_causal, bool causal_bottom_right,
+                            int64_t window_left, int64_t window_right, double softcap,
+                            const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes,
+                            bool score_mod, at::Tensor& out, at::Tensor& lse) {
+  const int64_t B = query.size(0), Hq = query.size(1), Sq = query.size(2), D = query.size(3);
+  const int64_t Hkv = key.size(1), Sk = key.size(2);
+  if (!is_hopper(prop) || Hkv >= Hq || forced_fwd_family() == "sm80" ||
+      (B + 1) * std::max(Sq, Sk) > std::numeric_limits<int32_t>::max())
+    return false;
+  const cuda::FwdKernelEntry* sm90 = sm90_varlen_entry<cuda::FwdKernelEntry>(
+      [&](bool mod) { return cuda::find_fwd_kernel("sm90", (int)D, to_dtype(query.scalar_type()), mod); }, score_mod);
+  if (sm90 == nullptr) return false;
+  const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, Hkv, Sq, sm90->head_dim_tile, pack_gqa_enabled());
+  if (grid.heads < 2 || 2 * Sq > grid.block_m || !grid.mostly_full(Sq) ||
+      3 * grid.blocks(B, Hq, Sq) < prop.multiProcessorCount)
+    return false;
+  auto rows = [&](const at::Tensor& t) -> std::optional<at::Tensor> {  // (B, H, S, D) as (B * S, H, D)
+    if (t.size(0) > 1 && t.stride(0) != t.size(2) * t.stride(2)) return std::nullopt;
+    at::Tensor r = t.as_strided({t.size(0) * t.size(2), t.size(1), t.size(3)}, {t.stride(2), t.stride(1), t.stride(3)});
+    return packed_tma_ready(r) ? std::optional<at::Tensor>(r) : std::nullopt;
+  };
+  const std::optional<at::Tensor> q = rows(query), k = rows(key), v = rows(value);
+  if (!q || !k || !v) return false;
+  const auto i32 = query.options().dtype(at::kInt);
+  const at::Tensor cu_q = at::arange(0, (B + 1) * Sq, Sq, i32), cu_k = at::arange(0, (B + 1) * Sk, Sk, i32);
+  auto [o, l] = run_varlen_fwd(*q, *k, *v, cu_q, cu_k, Sq, Sk, softmax_scale, is_causal, window_left, window_right,
+                               softcap, sinks, alibi_slopes, std::nullopt, /*short_rows_on_sm90=*/true, nullptr,
+                               causal_bottom_right);
+  const at::Tensor o_bhsd = o.view({B, Sq, Hq, D}).transpose(1, 2);
+  if (o_bhsd.strides() == out.strides())
+    out = o_bhsd;
+  else
+    out.copy_(o_bhsd);
+  lse.copy_(l.view({Hq, B, Sq}).transpose(0, 1));
   return true;
 }
 
