@@ -389,6 +389,14 @@ def pack_gqa_heads(group, max_seqlen_q, block_m):
     return best if 8 * rows(best) <= 7 * rows(1) else 1
 
 
+def packed_varlen_grid(batch, heads_q, heads_kv, max_seqlen_q, block_m):
+    """The Hopper varlen forward's grid (sm90/fwd_sm90_pack_gqa.h: VarlenFwdPack): (heads packed a block, blocks,
+    whether its blocks are more than half queries)."""
+    g = pack_gqa_heads(heads_q // heads_kv, max_seqlen_q, block_m)
+    rows = block_m // g
+    return g, batch * (heads_q // g) * -(-max_seqlen_q // rows), 2 * g * min(max_seqlen_q, rows) > block_m
+
+
 def capture_graph(fn):
     """fn captured in a CUDA graph after a warm-up call on a side stream: (graph, fn's outputs in the graph)."""
     stream = torch.cuda.Stream()

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 import flashcore
 from conftest import (assert_ran, check_close, check_gradients, check_lse, cuda_skip_reason, gpu_families,
-                      lowp_attention, make_generator, pack_gqa_heads, randn, reference_attention)
+                      lowp_attention, make_generator, packed_varlen_grid, randn, reference_attention)
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")]
 
@@ -96,10 +96,8 @@ def packed_route_expected(shape, head_dim, bshd):
     if torch.cuda.get_device_capability() != (9, 0) or Hkv >= Hq or not bshd:
         return False
     block_m = 192 if head_dim <= 96 else 128
-    g = pack_gqa_heads(Hq // Hkv, Sq, block_m)
-    rows = block_m // g
-    blocks = B * (Hq // g) * -(-Sq // rows)
-    return (g > 1 and 2 * Sq <= block_m and 2 * g * min(Sq, rows) > block_m
+    g, blocks, mostly_full = packed_varlen_grid(B, Hq, Hkv, Sq, block_m)
+    return (g > 1 and 2 * Sq <= block_m and mostly_full
             and 3 * blocks >= torch.cuda.get_device_properties(0).multi_processor_count)
 
 

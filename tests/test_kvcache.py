@@ -17,7 +17,7 @@ import torch
 import flashcore
 
 from conftest import (UNIT_ROUNDOFF, capture_graph, check_close, cuda_skip_reason, lowp_attention, lowp_lse,
-                      make_generator, pack_gqa_heads, reference_attention)
+                      make_generator, packed_varlen_grid, reference_attention)
 from flashcore.flash_attn_interface import _append, _append_slots, flash_attn_with_kvcache
 
 requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
@@ -666,12 +666,9 @@ def prefill_on_varlen(page_size=None, new_tokens=PREFILL_MODE["Sq"]):
     grid, query heads packed, of at least a third as many blocks as SMs; paged caches with pages of a multiple of 64
     keys, or of 16 from 64 new tokens)."""
     props = torch.cuda.get_device_properties(0)
-    hq, hkv = PREFILL_HEADS
-    g = pack_gqa_heads(hq // hkv, new_tokens, 128)
-    rows = 128 // g
-    blocks = PREFILL_MODE["B"] * (hq // g) * -(-new_tokens // rows)
+    _, blocks, mostly_full = packed_varlen_grid(PREFILL_MODE["B"], *PREFILL_HEADS, new_tokens, 128)
     pages_fit = page_size is None or page_size % 64 == 0 or (page_size % 16 == 0 and new_tokens >= 64)
-    enough_rows = new_tokens >= 33 or 2 * g * min(new_tokens, rows) > 128
+    enough_rows = new_tokens >= 33 or mostly_full
     return (torch.cuda.get_device_capability() == (9, 0) and enough_rows and 3 * blocks >= props.multi_processor_count
             and pages_fit)
 

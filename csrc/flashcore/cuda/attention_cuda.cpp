@@ -333,6 +333,13 @@ const Entry* sm90_varlen_entry(Find find, bool score_mod) {
   return e != nullptr && e->launch_varlen != nullptr ? e : nullptr;
 }
 
+// The forward entry sm90_varlen_entry finds for a head dim and dtype, nullptr where the build has none.
+const cuda::FwdKernelEntry* sm90_varlen_fwd_entry(int64_t head_dim, at::ScalarType dtype, bool score_mod) {
+  const auto dt = to_dtype(dtype);
+  return sm90_varlen_entry<cuda::FwdKernelEntry>(
+      [&](bool mod) { return cuda::find_fwd_kernel("sm90", (int)head_dim, dt, mod); }, score_mod);
+}
+
 const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const cudaDeviceProp& prop, int64_t max_seqlen_q,
                                                      bool score_mod, bool short_rows_on_sm90 = false) {
@@ -341,10 +348,7 @@ const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const 
   const std::string forced = forced_fwd_family();
   TORCH_CHECK(forced.empty() || forced == "sm80" || forced == "sm90", "flashcore: FLASHCORE_FORCE_KERNEL=", forced,
               " is not a forward kernel family (sm80, sm90)");
-  const cuda::FwdKernelEntry* sm90 =
-      forced == "sm80" ? nullptr
-                       : sm90_varlen_entry<cuda::FwdKernelEntry>(
-                             [&](bool mod) { return cuda::find_fwd_kernel("sm90", head_dim, dtype, mod); }, score_mod);
+  const cuda::FwdKernelEntry* sm90 = forced == "sm80" ? nullptr : sm90_varlen_fwd_entry(head_dim, q.scalar_type(), score_mod);
   if (forced == "sm90") {
     TORCH_CHECK(is_hopper(prop) && sm90 != nullptr, "flashcore: FLASHCORE_FORCE_KERNEL=sm90 needs a compute "
                 "capability 9.0 GPU and a build with sm90 kernels for head_dim ", head_dim);
@@ -591,6 +595,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   return {grad_query, grad_key, grad_value};
 }
 
+// Offsets of `batch` sequences of `len` rows each (cu_seqlens of an equal-length batch), int32 on `options`' device.
+at::Tensor equal_offsets(int64_t batch, int64_t len, const at::TensorOptions& options) {
+  return at::arange(0, (batch + 1) * len, len, options.dtype(at::kInt));
+}
+
+// A dense op's outputs from the varlen forward of an equal-length batch (o (B * Sq, Hq, D), l (Hq, B * Sq)): out
+// (B, Sq, Hq, D), or with heads_first (B, Hq, Sq, D), taken as a view of o where out's strides (the op's promise:
+// like the query's) are o's already, else copied; lse (B, Hq, Sq) copied from the varlen layout.
+void adopt_varlen_outputs(const at::Tensor& o, const at::Tensor& l, int64_t B, int64_t Sq, bool heads_first,
+                          at::Tensor& out, at::Tensor& lse) {
+  const int64_t Hq = o.size(1);
+  at::Tensor o_view = o.view({B, Sq, Hq, o.size(2)});
+  if (heads_first) o_view = o_view.transpose(1, 2);
+  if (o_view.strides() == out.strides())
+    out = o_view;
+  else
+    out.copy_(o_view);
+  lse.copy_(l.view({Hq, B, Sq}).transpose(0, 1));
+}
+
 // Chunked prefill on Hopper: the Hopper varlen forward's wgmma kernel instead of the decode kernel's mma.sync rows,
 // which re-read a KV head's cache for every 64 packed query rows (128 new tokens at 8 x 8k: 219 against 708 us,
 // docs/PERFORMANCE.md). Entry b is sequence b of a varlen batch whose keys are cache row b (cu_seqlens_k: multiples
@@ -645,29 +669,19 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   if (!k || !v) return false;
   const at::Tensor q = query.reshape({B * Sq, Hq, D});
   // The entry select_varlen_fwd_kernel picks (short_rows_on_sm90, not forced to sm80) where TMA can read the tensors.
-  const cuda::FwdKernelEntry* sm90 = sm90_varlen_entry<cuda::FwdKernelEntry>(
-      [&](bool mod) { return cuda::find_fwd_kernel("sm90", (int)D, to_dtype(query.scalar_type()), mod); },
-      transforms_scores(opts));
+  const cuda::FwdKernelEntry* sm90 = sm90_varlen_fwd_entry(D, query.scalar_type(), transforms_scores(opts));
   if (sm90 == nullptr || !packed_tma_ready(q) || !packed_tma_ready(*k) || !packed_tma_ready(*v)) return false;
   const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, k->size(1), Sq, sm90->head_dim_tile, pack_gqa_enabled());
   if ((Sq < kPrefillOnVarlenMinTokens && !grid.mostly_full(Sq)) ||
       3 * grid.blocks(B, Hq, Sq) < prop.multiProcessorCount)
     return false;
-  const auto i32 = query.options().dtype(at::kInt);
-  const at::Tensor cu_q = at::arange(0, (B + 1) * Sq, Sq, i32);
-  const at::Tensor cu_k = paged ? cu_q : at::arange(0, (B + 1) * capacity, capacity, i32);  // paged: not read
+  const at::Tensor cu_q = equal_offsets(B, Sq, query.options());
+  const at::Tensor cu_k = paged ? cu_q : equal_offsets(B, capacity, query.options());  // paged: not read
   const PagedKeys pages{args.block_table, rows_per_cache_row};
   auto [o, l] = run_varlen_fwd(q, *k, *v, cu_q, cu_k, Sq, capacity, softmax_scale, opts.is_causal, window_left,
                                window_right, opts.softcap, sinks, alibi_slopes, args.cache_seqlens,
                                /*short_rows_on_sm90=*/true, paged ? &pages : nullptr);
-  // The output in the layout the op promises (out's: like the query's) without a copy where it is that already;
-  // lse from the varlen layout (Hq, B * Sq) to (B, Hq, Sq).
-  const at::Tensor o_bshd = o.view({B, Sq, Hq, D});
-  if (o_bshd.strides() == out.strides())
-    out = o_bshd;
-  else
-    out.copy_(o_bshd);
-  lse.copy_(l.view({Hq, B, Sq}).permute({1, 0, 2}));
+  adopt_varlen_outputs(o, l, B, Sq, /*heads_first=*/false, out, lse);
   return true;
 }
 
@@ -689,8 +703,7 @@ bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, cons
   if (!is_hopper(prop) || Hkv >= Hq || forced_fwd_family() == "sm80" ||
       (B + 1) * std::max(Sq, Sk) > std::numeric_limits<int32_t>::max())
     return false;
-  const cuda::FwdKernelEntry* sm90 = sm90_varlen_entry<cuda::FwdKernelEntry>(
-      [&](bool mod) { return cuda::find_fwd_kernel("sm90", (int)D, to_dtype(query.scalar_type()), mod); }, score_mod);
+  const cuda::FwdKernelEntry* sm90 = sm90_varlen_fwd_entry(D, query.scalar_type(), score_mod);
   if (sm90 == nullptr) return false;
   const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, Hkv, Sq, sm90->head_dim_tile, pack_gqa_enabled());
   if (grid.heads < 2 || 2 * Sq > grid.block_m || !grid.mostly_full(Sq) ||
@@ -703,17 +716,10 @@ bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, cons
   };
   const std::optional<at::Tensor> q = rows(query), k = rows(key), v = rows(value);
   if (!q || !k || !v) return false;
-  const auto i32 = query.options().dtype(at::kInt);
-  const at::Tensor cu_q = at::arange(0, (B + 1) * Sq, Sq, i32), cu_k = at::arange(0, (B + 1) * Sk, Sk, i32);
-  auto [o, l] = run_varlen_fwd(*q, *k, *v, cu_q, cu_k, Sq, Sk, softmax_scale, is_causal, window_left, window_right,
-                               softcap, sinks, alibi_slopes, std::nullopt, /*short_rows_on_sm90=*/true, nullptr,
-                               causal_bottom_right);
-  const at::Tensor o_bhsd = o.view({B, Sq, Hq, D}).transpose(1, 2);
-  if (o_bhsd.strides() == out.strides())
-    out = o_bhsd;
-  else
-    out.copy_(o_bhsd);
-  lse.copy_(l.view({Hq, B, Sq}).transpose(0, 1));
+  auto [o, l] = run_varlen_fwd(*q, *k, *v, equal_offsets(B, Sq, query.options()), equal_offsets(B, Sk, query.options()),
+                               Sq, Sk, softmax_scale, is_causal, window_left, window_right, softcap, sinks,
+                               alibi_slopes, std::nullopt, /*short_rows_on_sm90=*/true, nullptr, causal_bottom_right);
+  adopt_varlen_outputs(o, l, B, Sq, /*heads_first=*/true, out, lse);
   return true;
 }
 
