@@ -26,8 +26,8 @@ from typing import Optional
 import torch
 
 from .layers.rotary import rotate_rows
-from .ops import (_check_tensor, _float32_vector, flag_arg, float_arg, int_arg, maybe_contiguous, packed_rows,
-                  pad_head_dim, window_pair)
+from .ops import (_check_tensor, _float32_vector, custom_op_flag_arg, float_arg, int_arg, maybe_contiguous,
+                  packed_rows, pad_head_dim, window_pair)
 
 __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
@@ -112,8 +112,9 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
             raise RuntimeError(f"{fn}: {name} must be 4-D (batch, seqlen, nheads, headdim); got {t.dim()}-D with "
                                f"shape {tuple(t.shape)}")
     _check_dropout(dropout_p, fn)
-    causal, deterministic = flag_arg(causal, "causal", fn), flag_arg(deterministic, "deterministic", fn)
-    return_attn_probs = flag_arg(return_attn_probs, "return_attn_probs", fn)
+    causal = custom_op_flag_arg(causal, "causal", fn)
+    deterministic = custom_op_flag_arg(deterministic, "deterministic", fn)
+    return_attn_probs = custom_op_flag_arg(return_attn_probs, "return_attn_probs", fn)
     sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
     left, right = _flash_window(*window_pair(window_size, fn), causal, q.size(1), k.size(1), fn)
     softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
@@ -176,8 +177,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
                                f"{tuple(t.shape)}")
     _check_dropout(dropout_p, fn)
     max_seqlen_q, max_seqlen_k = int_arg(max_seqlen_q, "max_seqlen_q", fn), int_arg(max_seqlen_k, "max_seqlen_k", fn)
-    causal, deterministic = flag_arg(causal, "causal", fn), flag_arg(deterministic, "deterministic", fn)
-    return_attn_probs = flag_arg(return_attn_probs, "return_attn_probs", fn)
+    causal = custom_op_flag_arg(causal, "causal", fn)
+    deterministic = custom_op_flag_arg(deterministic, "deterministic", fn)
+    return_attn_probs = custom_op_flag_arg(return_attn_probs, "return_attn_probs", fn)
     sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
     if seqused_k is not None:
         _check_tensor(seqused_k, "seqused_k", fn)
@@ -737,8 +739,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     seqlens = _cache_lengths(q, cache_seqlens, k is not None, Sn, capacity, k_cache, block_table, fn)
     _check_rotary(q, rotary_cos, rotary_sin, k is not None, capacity, fn)
 
-    causal, rotary_interleaved = flag_arg(causal, "causal", fn), flag_arg(rotary_interleaved, "rotary_interleaved", fn)
-    return_softmax_lse = flag_arg(return_softmax_lse, "return_softmax_lse", fn)
+    causal = custom_op_flag_arg(causal, "causal", fn)
+    rotary_interleaved = custom_op_flag_arg(rotary_interleaved, "rotary_interleaved", fn)
+    return_softmax_lse = custom_op_flag_arg(return_softmax_lse, "return_softmax_lse", fn)
     left, right = window_pair(window_size, fn)
     if causal:
         right = 0

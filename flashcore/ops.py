@@ -155,12 +155,30 @@ def window_pair(window_size, fn) -> tuple[int, int]:
     return tuple(-1 if x > _INT32_MAX else x for x in (left, right))
 
 
+def _is_numpy_bool(value) -> bool:
+    return type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")  # numpy 1.x / 2.x
+
+
 def flag_arg(value, name, fn) -> bool:
-    """A bool argument (causal, deterministic, ...), or a TypeError naming it: a string such as 'no' would read as
-    True (flash-attn's and SDPA's schemas refuse it too). numpy's bool is taken."""
-    if isinstance(value, (bool, torch.SymBool)) or type(value).__name__ == "bool_":
+    """A bool argument (causal, deterministic, ...), or a TypeError naming it, as SDPA's schema takes a bool: a
+    Python or numpy bool (an int or a string such as 'no' is refused)."""
+    if isinstance(value, (bool, torch.SymBool)):
         return value
+    if _is_numpy_bool(value):
+        return bool(value)
     raise TypeError(f"{fn}: {name} must be a bool; got {value!r}")
+
+
+def custom_op_flag_arg(value, name, fn) -> bool:
+    """A bool argument of the flash-attn interface, taken as flash-attn's custom ops take one: also an integer
+    (1, 0) or a 0-d bool or integer tensor; a string such as 'no', a float or None is a TypeError naming it."""
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_floating_point() and \
+            not value.is_complex():
+        return bool(value)
+    if not isinstance(value, bool) and (isinstance(value, (int, torch.SymInt)) or
+                                        (type(value).__module__ == "numpy" and hasattr(value, "__index__"))):
+        return bool(value)
+    return flag_arg(value, name, fn)
 
 
 def int_arg(value, name, fn, minimum=None):

@@ -57,6 +57,7 @@ def test_op_rejects_what_attention_adapts():
 
 @pytest.mark.parametrize("kwargs,match", [
     ({"is_causal": None}, "is_causal must be a bool"), ({"is_causal": 1}, "is_causal must be a bool"),
+    ({"is_causal": torch.tensor(True)}, "is_causal must be a bool"),
     ({"enable_gqa": None}, "enable_gqa must be a bool"), ({"scale": "0.5"}, "scale must be a float"),
     ({"window_size": "20"}, "window_size must be a pair"),
 ])
@@ -255,6 +256,13 @@ def test_argument_types_of_the_flash_attn_interface():
         flash_attn_func(q, q, q, causal="no")
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         flash_attn_func(q, q, q, deterministic="yes")
+    with pytest.raises(TypeError, match="causal must be a bool"):
+        flash_attn_func(q, q, q, causal=1.0)
+    # flash-attn's custom ops take integers, numpy bools and 0-d tensors for a bool; so does its interface here
+    want = flash_attn_func(q, q, q, causal=True)
+    for flag in (1, np.True_, np.int32(1), torch.tensor(True), torch.tensor(1)):
+        assert torch.equal(flash_attn_func(q, q, q, causal=flag), want), flag
+    assert torch.equal(flash_attn_func(q, q, q, causal=0), flash_attn_func(q, q, q, causal=False))
     with pytest.raises(TypeError, match="alibi_slopes must be a float32 tensor"):
         flash_attn_func(q, q, q, alibi_slopes=[0.1, 0.2])
     with pytest.raises(TypeError, match="sinks must be a float32 tensor"):

@@ -97,7 +97,10 @@ struct FwdSm90Traits {
   static constexpr int kBarriers = 2 + 4 * kStages + (kSplitKeys ? 2 : 0);
   // After the mbarriers, one 8-byte slot per consumer warp that its lane 0 stores to only to order the warp's
   // instructions (order_slots; one each, so no two threads write the same word).
-  static constexpr int kWords = kBarriers + kConsumerWarps;
+  // Varlen: then the producer's block-table entries of the tile it loads (fwd_sm90_producer.cuh: read_tile_pages),
+  // one a TMA box of at least 16 keys.
+  static constexpr int kMaxPageBoxes = kBlockN / 16;
+  static constexpr int kWords = kBarriers + kConsumerWarps + (kVarlen ? (kMaxPageBoxes + 1) / 2 : 0);
   // The epilogue stages O in a buffer of its own where shared memory allows (all but the two-warpgroup variants
   // of head dim 256 and of the 176-key tiles; every variant a persistent grid runs has it): the consumers then
   // release Q as soon as their last Q K^T retires, and the next tile's Q loads while this tile finishes its last
@@ -128,6 +131,7 @@ struct SharedStorage {
   uint64_t* split_full;  // kSplitKeys, rank 0: the other ranks' partial results have landed (st.async bytes)
   uint64_t* split_go;    // kSplitKeys, ranks > 0: rank 0's ring is free for them
   uint64_t* order_slots;  // one per consumer warp, written, never read: scheduling anchors (ptx::store_before_wait)
+  int* tile_pages;        // kVarlen: kMaxPageBoxes block-table entries, written and read by the producer thread
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* raw) {
     // The compact variant derives its pointers from raw by pointer arithmetic, so they stay provably in shared
@@ -153,6 +157,7 @@ struct SharedStorage {
     split_full = v_empty + Traits::kStages;
     split_go = split_full + 1;
     order_slots = bars + Traits::kBarriers;
+    tile_pages = reinterpret_cast<int*>(order_slots + Traits::kConsumerWarps);
   }
   __device__ __forceinline__ Element* k_stage(int s) const { return k + s * Traits::KVTile::kElems; }
   __device__ __forceinline__ Element* v_stage(int s) const { return v + s * Traits::KVTile::kElems; }
