@@ -799,11 +799,14 @@ def test_kvcache_bad_indices_stay_in_bounds_cuda(request, append, page_size):
 # ---- flash_attn_varlen_func with block_table (paged prefill) ----
 
 
-def _paged_varlen_case(device, dtype, page_size, causal, window, gqa, seed=0):
-    """Packed queries and the same keys twice: packed (total_k, Hkv, D) and in shuffled pages with a block table."""
+def _paged_varlen_case(device, dtype, page_size, causal, window, gqa, seed=0, D=32, long_keys=False):
+    """Packed queries and the same keys twice: packed (total_k, Hkv, D) and in shuffled pages with a block table.
+    long_keys: sequences of several key tiles (the producer's ring wraps)."""
     g = torch.Generator().manual_seed(seed)
     lens_q, lens_k = [3, 0, 17, 1, 9], [40, 5, 17, 0, 33]
-    Hq, Hkv, D = (4, 2, 32) if gqa else (2, 2, 32)
+    Hq, Hkv = (4, 2) if gqa else (2, 2)
+    if long_keys:  # and enough queries and heads for the Hopper varlen forward's grid (kvcache_prefill_on_varlen)
+        lens_q, lens_k, Hq, Hkv = [200, 0, 130, 70, 260], [700, 5, 257, 0, 1033], 16, 4
     q = torch.randn(sum(lens_q), Hq, D, generator=g).to(device, dtype)
     k = torch.randn(sum(lens_k), Hkv, D, generator=g).to(device, dtype)
     v = torch.randn(sum(lens_k), Hkv, D, generator=g).to(device, dtype)
@@ -847,15 +850,22 @@ def test_varlen_paged_matches_packed_cpu(page_size, causal, window, gqa):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("page_size", [16, 256])
-def test_varlen_paged_matches_packed_cuda(dtype, page_size):
+@pytest.mark.parametrize("page_size", [16, 48, 256])
+@pytest.mark.parametrize("head_dim,long_keys", [(32, False), (64, True), (96, True), (128, True), (256, True)])
+def test_varlen_paged_matches_packed_cuda(dtype, page_size, head_dim, long_keys):
+    """Paged keys against the same keys packed, on the Hopper varlen forward where it runs (one producer thread at
+    head-dim tiles 64 and 96, two at 128 and 256), sequences of one or several key tiles."""
     from flashcore.flash_attn_interface import flash_attn_varlen_func
 
-    q, k, v, kp, vp, table, args = _paged_varlen_case("cuda", dtype, page_size, True, (-1, -1), True)
+    q, k, v, kp, vp, table, args = _paged_varlen_case("cuda", dtype, page_size, True, (-1, -1), True, D=head_dim,
+                                                      long_keys=long_keys)
     want, want_lse, _ = flash_attn_varlen_func(q.double().cpu(), k.double().cpu(), v.double().cpu(),
                                                **{**args, "cu_seqlens_q": args["cu_seqlens_q"].cpu(),
                                                   "cu_seqlens_k": args["cu_seqlens_k"].cpu()})
     lowp, _, _ = flash_attn_varlen_func(q, k, v, **args)
     got, got_lse, _ = flash_attn_varlen_func(q, kp, vp, block_table=table, **args)
+    if long_keys and torch.cuda.get_device_capability() == (9, 0):  # 260 queries, 16 heads: the Hopper grid
+        ran = flashcore.last_kernel("fwd")
+        assert ran.startswith("sm90") and "varlen" in ran, ran
     check_close("out", got.cpu(), want, lowp.cpu(), dtype=dtype)
     torch.testing.assert_close(got_lse.cpu().double(), want_lse, rtol=2e-3, atol=2e-3)

@@ -3,7 +3,7 @@
 // Block i computes tiles i, i + gridDim.x, ... of fwd_block's tile order (heads adjacent, heaviest causal query
 // blocks first): several when the launcher makes the grid persistent (one block per SM), else exactly one. A tile is kBlockM = 64 x kWarpgroups query rows
 // of one (batch, head); the block has kWarpgroups + 1 warpgroups:
-//   producer (the last warpgroup, one elected thread; setmaxnreg gives its registers away):
+//   producer (the last warpgroup, one elected thread, two for paged keys; setmaxnreg gives its registers away):
 //     per tile, Q, then K and V tiles into a kStages-deep shared-memory ring through TMA (fwd_sm90_producer.cuh);
 //   consumers (warpgroups 0..kWarpgroups-1, 64 rows each; fwd_sm90_consumer.cuh):
 //     S = Q_wg K^T (wgmma, both operands in shared memory), mask, online softmax in registers,
@@ -127,18 +127,25 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
 
   if (threadIdx.x >= Traits::kConsumerThreads) {
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
-    if (threadIdx.x == Traits::kConsumerThreads) {
+    // Paged keys (varlen): a second thread, in the producer's next warp, loads V (produce_paged_v).
+    const int producer_thread = (int)threadIdx.x - Traits::kConsumerThreads;
+    const bool two_producers = Traits::kTwoPagedProducers && p.varlen.block_table != nullptr;
+    if (producer_thread == 0) {
       ptx::tma_prefetch_descriptor(&tm_q);
       ptx::tma_prefetch_descriptor(&tm_k);
       ptx::tma_prefetch_descriptor(&tm_v);
       for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
-        produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count);
+        produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count, !two_producers);
         if constexpr (Traits::kSplitKeys) {
           if (split) {
             ptx::cluster_wait();
             if (blk.split_rank == 0) open_split_slots<Traits>(smem, blk.n_blocks - blk.n_first, blk.num_splits);
           }
         }
+      });
+    } else if (two_producers && producer_thread == kVPagedProducerThread) {
+      for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int, int kv_count) {
+        produce_paged_v<Traits>(p, blk, smem, &tm_v, kv_count);
       });
     } else if (split) {
       ptx::cluster_wait();

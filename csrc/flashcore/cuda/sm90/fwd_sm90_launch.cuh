@@ -214,6 +214,10 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   const int64_t pages = paged ? total_k / page : 1;
   const int box = paged ? (int)std::min<int64_t>(page & -page, Traits::kBlockN & -Traits::kBlockN) : Traits::kBlockN;
   params.varlen.page_box_rows = box;
+  // The producer parks at most kMaxPageBoxes page numbers a tile (fwd_sm90_producer.cuh): fewer boxes than the tile
+  // needs would leave its stage's expect_tx short, and the consumers waiting forever.
+  TORCH_CHECK(!paged || (int64_t)box * Traits::kMaxPageBoxes >= Traits::kBlockN, "flashcore: internal error: pages of ",
+              page, " keys make TMA boxes of ", box, " keys, under the 16 the paged producer takes");
   auto paged_strides = [&](const Strides& s) { return paged ? Strides{page * s.seq, s.head, s.seq} : s; };
   const CUtensorMap tm_k = make_tensor_map_bhsd(p.k, paged_strides(p.k_stride), pages, p.heads_kv, page, p.head_dim,
                                                 box, kBf16);

@@ -47,7 +47,11 @@ struct FwdSm90Traits {
   static constexpr int kConsumerThreads = 128 * kWarpgroups;
   static constexpr int kConsumerWarps = kConsumerThreads / 32;
   static constexpr int kNThreads = kConsumerThreads + 128;  // + the producer warpgroup
-  static constexpr int kProducerRegs = Config::kProducerRegs;
+  // Varlen kernels of two consumer warpgroups: 40 producer registers (the consumers keep 232, unspilled), for the two
+  // producer threads of paged keys (fwd_sm90_producer.cuh: produce_paged_v), whose code spilled 80-200 B inside its
+  // loops at 24 and 32 registers (8 B outside them at 40). Non-paged varlen calls measured the same with either split.
+  static constexpr bool kTwoPagedProducers = kVarlen_ && Config::kWarpgroups == 2;
+  static constexpr int kProducerRegs = kTwoPagedProducers ? 40 : Config::kProducerRegs;
   // setmaxnreg only moves registers within what the block was given at launch: ptxas's per-thread count times
   // the threads, that count being the __launch_bounds__ cap for these kernels (-Xptxas=-v: 168 at 384 threads).
   // Asking for more makes setmaxnreg.inc wait forever: a 32-register producer with two 240-register consumer
@@ -58,7 +62,8 @@ struct FwdSm90Traits {
   // which its two score buffers need to stay unspilled), so it does not spill where the wide one fits.
   static constexpr int kNarrowRegs = (kLaunchRegs * kNThreads - kProducerRegs * 128) / kConsumerThreads / 8 * 8;
   static constexpr int kNarrowCap = kLaunchRegs > 240 ? kLaunchRegs : 240;
-  static constexpr int kConsumerRegs = kWarpgroups == Config::kWarpgroups ? Config::kConsumerRegs
+  static constexpr int kConsumerRegs = kWarpgroups == Config::kWarpgroups && kProducerRegs == Config::kProducerRegs
+                                           ? Config::kConsumerRegs
                                        : kNarrowRegs < kNarrowCap          ? kNarrowRegs
                                                                            : kNarrowCap;
   static_assert(kProducerRegs * 128 + kConsumerRegs * kConsumerThreads <= kLaunchRegs * kNThreads,
@@ -97,10 +102,10 @@ struct FwdSm90Traits {
   static constexpr int kBarriers = 2 + 4 * kStages + (kSplitKeys ? 2 : 0);
   // After the mbarriers, one 8-byte slot per consumer warp that its lane 0 stores to only to order the warp's
   // instructions (order_slots; one each, so no two threads write the same word).
-  // Varlen: then the producer's block-table entries of the tile it loads (fwd_sm90_producer.cuh: read_tile_pages),
-  // one a TMA box of at least 16 keys.
+  // Varlen: then the producer threads' block-table entries of the tile they load (fwd_sm90_producer.cuh:
+  // read_tile_pages), one a TMA box of at least 16 keys, for each of the two threads that load paged keys.
   static constexpr int kMaxPageBoxes = kBlockN / 16;
-  static constexpr int kWords = kBarriers + kConsumerWarps + (kVarlen ? (kMaxPageBoxes + 1) / 2 : 0);
+  static constexpr int kWords = kBarriers + kConsumerWarps + (kVarlen ? kMaxPageBoxes : 0);
   // The epilogue stages O in a buffer of its own where shared memory allows (all but the two-warpgroup variants
   // of head dim 256 and of the 176-key tiles; every variant a persistent grid runs has it): the consumers then
   // release Q as soon as their last Q K^T retires, and the next tile's Q loads while this tile finishes its last
@@ -131,7 +136,7 @@ struct SharedStorage {
   uint64_t* split_full;  // kSplitKeys, rank 0: the other ranks' partial results have landed (st.async bytes)
   uint64_t* split_go;    // kSplitKeys, ranks > 0: rank 0's ring is free for them
   uint64_t* order_slots;  // one per consumer warp, written, never read: scheduling anchors (ptx::store_before_wait)
-  int* tile_pages;        // kVarlen: kMaxPageBoxes block-table entries, written and read by the producer thread
+  int* tile_pages;        // kVarlen: 2 x kMaxPageBoxes block-table entries, each half written and read by one thread
 
   __device__ __forceinline__ explicit SharedStorage(unsigned char* raw) {
     // The compact variant derives its pointers from raw by pointer arithmetic, so they stay provably in shared
