@@ -66,6 +66,17 @@ __device__ __forceinline__ void load_paged_keys(const FwdParams& p, const int* p
   }
 }
 
+// Use number `use` of the K/V ring (the block's key tiles so far): its stage, the parity of the empty barrier's
+// phase to wait for, and whether there is one to wait for (a stage's first use waits for nothing).
+template <typename Traits>
+struct RingUse {
+  int stage;
+  uint32_t parity;
+  bool reused;
+  __device__ __forceinline__ explicit RingUse(int use)
+      : stage(use % Traits::kStages), parity(ptx::empty_parity(use / Traits::kStages)), reused(use >= Traits::kStages) {}
+};
+
 // Paged keys with two producers: the second producer thread, in the producer warpgroup's next warp (a thread of the
 // same warp would issue its boxes in the same instruction stream), loads V (produce_paged_v).
 constexpr int kVPagedProducerThread = 32;
@@ -94,10 +105,11 @@ __device__ __forceinline__ void produce_tile(const FwdParams& p, const cuda::Fwd
   const int n_count = blk.n_blocks - blk.n_first;
   for (int it = 0; it < n_count; ++it) {
     const int use = kv_count + it;
-    const int stage = use % Traits::kStages;
-    const uint32_t parity = ptx::empty_parity(use / Traits::kStages);
+    const RingUse<Traits> ring(use);
+    const int stage = ring.stage;
+    const uint32_t parity = ring.parity;
     const int row0 = k_row0 + (blk.n_blocks - 1 - it) * Traits::kBlockN;
-    const bool reused = use >= Traits::kStages;
+    const bool reused = ring.reused;
 
     // Varlen with paged keys: boxes through the block table (load_paged_keys), K and V alike.
     const bool paged = Traits::kVarlen && p.varlen.block_table != nullptr;
@@ -144,13 +156,12 @@ __device__ __forceinline__ void produce_paged_v(const FwdParams& p, const cuda::
   int* parked = smem.tile_pages + Traits::kMaxPageBoxes;  // this thread's half
   const int n_count = blk.n_blocks - blk.n_first;
   for (int it = 0; it < n_count; ++it) {
-    const int use = kv_count + it;
-    const int stage = use % Traits::kStages;
+    const RingUse<Traits> ring(kv_count + it);
     const int key0 = (blk.n_blocks - 1 - it) * Traits::kBlockN;
     read_tile_pages<Traits>(p, parked, blk.b, key0, blk.seqlen_k);
-    if (use >= Traits::kStages) ptx::mbarrier_wait(&smem.v_empty[stage], ptx::empty_parity(use / Traits::kStages));
-    ptx::mbarrier_arrive_expect_tx(&smem.v_full[stage], Traits::kKVBytes);
-    load_paged_keys<Traits>(p, parked, smem.v_stage(stage), tm_v, &smem.v_full[stage], key0, blk.h_kv);
+    if (ring.reused) ptx::mbarrier_wait(&smem.v_empty[ring.stage], ring.parity);
+    ptx::mbarrier_arrive_expect_tx(&smem.v_full[ring.stage], Traits::kKVBytes);
+    load_paged_keys<Traits>(p, parked, smem.v_stage(ring.stage), tm_v, &smem.v_full[ring.stage], key0, blk.h_kv);
   }
 }
 
