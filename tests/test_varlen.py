@@ -342,6 +342,78 @@ def test_varlen_pack_gqa_cuda(request, monkeypatch, variant, heads, head_dim):
     assert (f" pack{want} " in ran) if want > 1 else ("pack" not in ran), ran
 
 
+def takes_packed_grid(batch, heads_q, heads_kv, total_q, max_seqlen_q, block_m):
+    """Whether the Hopper varlen forward launches the sequences' own tiles (csrc/.../sm90/fwd_sm90_launch.cuh,
+    cuda/common/varlen_tile_scan.cuh): at most 256 sequences, and a bound of groups x min(batch x ceil(max_seqlen_q /
+    rows), ceil(total_q / rows) + batch) tiles at most 7/8 of the grid of max_seqlen_q's tiles for every sequence."""
+    pack = pack_gqa_heads(heads_q // heads_kv, max_seqlen_q, block_m)
+    rows, groups = block_m // pack, heads_q // pack
+    m_blocks = -(-max_seqlen_q // rows)
+    bound = groups * min(batch * m_blocks, -(-total_q // rows) + batch)
+    return batch <= 256 and 8 * bound <= 7 * batch * groups * m_blocks
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("case", ["mixed", "two_chunks", "all_chunks", "past_the_scan", "equal"])
+@pytest.mark.parametrize("heads", [(8, 8), (16, 2)], ids=lambda h: f"{h[0]}x{h[1]}")
+def test_varlen_packed_grid_cuda(request, monkeypatch, case, heads):
+    """The Hopper varlen forward's packed grid (each block finds its tile by one warp's scan of cu_seqlens_q) runs
+    exactly the tiles of the grid of max_seqlen_q's tiles for every sequence: bitwise the same out and lse as with
+    FLASHCORE_VARLEN_FWD_PACKED=0, over batches the scan covers in one chunk of 32 sequences, in several, in all 8,
+    and past them (256: the other grid), with empty sequences, max_seqlen_q above the longest, rows past the last
+    sequence, and pack-GQA; the grid taken is the one the rule predicts, and the first case matches the reference."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the packed grid is the sm90 varlen forward's")
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", "sm90")
+    Hq, Hkv = heads
+    g = torch.Generator().manual_seed(5)
+    batch = {"mixed": 7, "two_chunks": 70, "all_chunks": 256, "past_the_scan": 257, "equal": 12}[case]
+    lens = torch.randint(0, 300, (batch,), generator=g).tolist()
+    lens[1] = 0
+    if case == "mixed":
+        lens = [5, 0, 700, 128, 1, 77, 513]
+    elif case == "equal":
+        lens = [256] * batch
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens, lens, Hq, Hkv, 128, {"causal": True})
+    if case == "mixed":
+        run_forward(q, k, v, cu_q, cu_k, kw)
+        assert "packed-grid" in assert_ran("fwd", "sm90")
+    total = q.size(0)
+    q_past = torch.cat([q, torch.randn(5, Hq, 128, device="cuda").to(q.dtype)])  # rows past the last sequence
+    max_q = max(lens) + 50
+
+    def run():
+        return flashcore.varlen_attention(q_past, k, v, cu_q, cu_k, max_q, max(lens), is_causal=True,
+                                          return_lse=True)
+
+    out, lse = run()
+    ran = assert_ran("fwd", "sm90")
+    assert ("packed-grid" in ran) == takes_packed_grid(batch, Hq, Hkv, q_past.size(0), max_q, 128), ran
+    monkeypatch.setenv("FLASHCORE_VARLEN_FWD_PACKED", "0")
+    want, want_lse = run()
+    assert "packed-grid" not in assert_ran("fwd", "sm90")
+    assert torch.equal(out[:total], want[:total]) and torch.equal(lse[:, :total], want_lse[:, :total])
+    assert not out[:total].isnan().any()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_varlen_packed_grid_bad_offsets_cuda(request, monkeypatch):
+    """Offsets that lie on the packed grid (its bound assumes they fit q's rows): the scan clamps them as SeqInfo
+    does, so no block reads or writes outside the tensors (compute-sanitizer runs this test too)."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the packed grid is the sm90 varlen forward's")
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", "sm90")
+    g = make_generator(request, "cuda")
+    q, k, v = (torch.randn(100, 8, 128, generator=g, device="cuda").bfloat16() for _ in range(3))
+    for cu in ([0, 150, 90, 100000, 5], [90, 10, -7, 100, 100], [0, 2**31 - 1, 7, 8, 9]):
+        cu_t = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        flashcore.varlen_attention(q, k, v, cu_t, cu_t, 1000, 1000, is_causal=True)
+        assert "packed-grid" in assert_ran("fwd", "sm90")
+        torch.cuda.synchronize()
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("variant", list(VARIANTS))

@@ -30,6 +30,7 @@ std::string last_kernel(Pass pass) {
   if (t.compact) s += " compact";
   if (t.score_mod) s += " mod";
   if (t.pack_gqa > 1) s += " pack" + std::to_string(t.pack_gqa);
+  if (t.packed_grid) s += " packed-grid";
   if (t.varlen) s += " varlen";
   if (t.longest_first) s += " longest-first";
   if (t.deterministic) s += " deterministic";

@@ -21,11 +21,12 @@ struct KernelTrace {
   bool deterministic = false;   // sm90 backward: dQ reductions in key-block order (BwdParams::dq_turns)
   int wide_block_m = 0;         // backward: the wide-step kernel's query rows a step, where it ran
   int pack_gqa = 1;             // sm90 varlen forward: query heads a block (params.h: PackGqa)
+  bool packed_grid = false;     // sm90 varlen forward: the sequences' own tiles (cuda/common/varlen_tile_scan.cuh)
 };
 
 void record_kernel(Pass pass, const KernelTrace& trace);
 // "sm90 hdim128 wg2", "sm90 hdim64 wg1 splits3", "sm80 hdim64 mod", "sm80 hdim128 mod varlen", "decode hdim128
-// longest-first", "sm90 hdim128 m80", "sm90 hdim128 wg2 pack4 varlen", "cpu", "composite", "none", ...
+// longest-first", "sm90 hdim128 m80", "sm90 hdim128 wg2 pack4 packed-grid varlen", "cpu", "composite", "none", ...
 std::string last_kernel(Pass pass);
 
 }  // namespace flashcore

@@ -36,6 +36,8 @@ struct VarlenParams {
   // host knows without a sync) and locate_packed_tile maps a block to its (slot, head, tile).
   const int32_t* tile_end = nullptr;
   int64_t grid_tiles = 0;
+  // The sm90 forward's packed grid (cuda/common/varlen_tile_scan.cuh), or false: the dense-shaped grid.
+  bool scan_grid = false;
   int64_t total_q = 0;                    // rows of the packed q (and out, lse's last dim)
   int64_t total_k = 0;                    // rows of the packed k and v
   // Paged keys (a KV cache's chunked prefill on the Hopper forward, paged_kv.h), or null: k/v are
@@ -86,12 +88,18 @@ struct SeqInfo {
 
 FLASHCORE_HOST_DEVICE int64_t clamp64(int64_t x, int64_t lo, int64_t hi) { return x < lo ? lo : x > hi ? hi : x; }
 
+// Sequence b's queries, as varlen_seq_info gives them (its q_begin: the first clamp).
+FLASHCORE_HOST_DEVICE int64_t varlen_seqlen_q(const VarlenParams& v, int64_t b, int64_t max_seqlen_q) {
+  const int64_t begin = clamp64(v.cu_seqlens_q[b], 0, v.total_q);
+  return clamp64(clamp64(v.cu_seqlens_q[b + 1], begin, v.total_q) - begin, 0, max_seqlen_q);
+}
+
 // max_seqlen_q/max_seqlen_k: the lengths the call's grids cover (FwdParams::seqlen_q/seqlen_k).
 FLASHCORE_HOST_DEVICE SeqInfo varlen_seq_info(const VarlenParams& v, int64_t b, int64_t max_seqlen_q,
                                               int64_t max_seqlen_k) {
   SeqInfo s;
   s.q_begin = clamp64(v.cu_seqlens_q[b], 0, v.total_q);
-  s.seqlen_q = clamp64(clamp64(v.cu_seqlens_q[b + 1], s.q_begin, v.total_q) - s.q_begin, 0, max_seqlen_q);
+  s.seqlen_q = varlen_seqlen_q(v, b, max_seqlen_q);
   if (v.block_table != nullptr) {  // paged keys: begin 0 in the sequence's own pages
     s.seqlen_k = clamp64(v.seqused_k[b], 0, max_seqlen_k);
     return s;

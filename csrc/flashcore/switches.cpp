@@ -68,6 +68,11 @@ bool pack_gqa_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
+bool varlen_fwd_packed_grid_enabled() {
+  const char* v = env("FLASHCORE_VARLEN_FWD_PACKED");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 bool decode_longest_first_enabled() {
   const char* v = env("FLASHCORE_DECODE_LONGEST_FIRST");
   return v == nullptr || std::strcmp(v, "0") != 0;

@@ -18,6 +18,8 @@
 //   FLASHCORE_PACK_GQA=0                        no pack-GQA: the sm90 varlen forward keeps one query head a block,
 //                                               and dense or short varlen GQA calls the kernels they took without
 //                                               it (A/B; sm90/fwd_sm90_pack_gqa.h)
+//   FLASHCORE_VARLEN_FWD_PACKED=0               the Hopper varlen forward's grid of max_seqlen_q's tiles for every
+//                                               sequence, not the packed grid of their own tiles (A/B)
 //   FLASHCORE_BWD_WIDE_STEPS=0                  the sm90 backward at head-dim tiles 96 and 128 takes 64-row steps,
 //                                               not its 80-row kernel (A/B)
 //   FLASHCORE_BWD_TMA_EPILOGUE=0                the sm90 backward stores dK/dV from registers, not through shared
@@ -45,6 +47,7 @@ bool cpu_isa_forced_portable();
 bool check_varlen_offsets();
 bool varlen_schedule_enabled();
 bool pack_gqa_enabled();
+bool varlen_fwd_packed_grid_enabled();
 bool decode_longest_first_enabled();
 bool bwd_wide_steps_enabled();
 bool bwd_tma_epilogue_enabled();

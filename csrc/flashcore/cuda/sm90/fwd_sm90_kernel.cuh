@@ -27,6 +27,7 @@
 
 #include "../../params.h"
 #include "../common/fwd_block.cuh"
+#include "../common/varlen_tile_scan.cuh"
 #include "../ptx/cluster.cuh"
 #include "../ptx/grid_dependency.cuh"
 #include "../ptx/mbarrier.cuh"
@@ -42,9 +43,10 @@ namespace flashcore::sm90 {
 // Calls tile_fn(blk, tile_count, kv_count) for each tile this block computes, in order: tile_count tiles and
 // kv_count K/V ring uses came before it. Producer and consumers both walk tiles through this, so their barrier
 // phases agree. Without kPersistent the block has exactly one tile and no loop-carried state (registers).
-// Waits for the previous grid (wait_for_prior_grids) before the first tile_fn call.
+// Waits for the previous grid (wait_for_prior_grids) before the first tile_fn call. varlen_tile: a varlen block's
+// tile (blockIdx.x, or the packed grid's scan), < 0 for none.
 template <typename Traits, typename TileFn>
-__device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_blocks, int num_tiles,
+__device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_blocks, int num_tiles, int varlen_tile,
                                               TileFn&& tile_fn) {
   using Element = typename Traits::Element;
   // The first tile's coordinates come from kernel parameters only, so they are computed before waiting for the
@@ -73,10 +75,13 @@ __device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_bloc
     tile_fn(blk, 0, 0);
   } else {
     // Varlen: the offsets and the launch order (seqlen.h) are global memory the previous grid may have written.
-    if constexpr (Traits::kVarlen) ptx::wait_for_prior_grids();
+    if constexpr (Traits::kVarlen) {
+      ptx::wait_for_prior_grids();
+      if (varlen_tile < 0) return;  // past the packed grid's last tile
+    }
     const auto blk =
         cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN, Traits::kVarlen, /*kPackGqa=*/Traits::kVarlen>(
-            p, num_m_blocks, (int)blockIdx.x);
+            p, num_m_blocks, Traits::kVarlen ? varlen_tile : (int)blockIdx.x);
     if (Traits::kVarlen && blk.m0 >= blk.seqlen_q) return;  // past its sequence's end: the whole block skips it
     if constexpr (!Traits::kVarlen) ptx::wait_for_prior_grids();
     tile_fn(blk, 0, 0);
@@ -124,6 +129,20 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // tile's coordinates may overlap the previous kernel; every thread that touches global memory (TMA loads, O/LSE
   // stores) waits for it first, in for_each_tile.
   ptx::allow_dependent_grids();
+  // A varlen block's tile: its index in the dense-shaped grid, or on a packed grid what every warp finds by the
+  // same scan of the offsets (cuda/common/varlen_tile_scan.cuh), once they can be read. The scan's value passes
+  // through a warp reduction (REDUX writes a uniform register), so that ptxas keeps the block's coordinates on the
+  // uniform datapath as it does blockIdx's: in vector registers they spilled 128-132 B in the 160-register
+  // consumers of the three-warpgroup kernels.
+  int varlen_tile = (int)blockIdx.x;
+  if constexpr (Traits::kVarlen) {
+    if (p.varlen.scan_grid) {
+      ptx::wait_for_prior_grids();
+      varlen_tile = __reduce_min_sync(
+          0xffffffffu, cuda::scan_varlen_tile(p, (int)p.pack.groups_div.divisor, p.pack.rows, num_m_blocks,
+                                              varlen_tile));
+    }
+  }
 
   if (threadIdx.x >= Traits::kConsumerThreads) {
     ptx::setmaxnreg_dec<Traits::kProducerRegs>();
@@ -134,7 +153,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
       ptx::tma_prefetch_descriptor(&tm_q);
       ptx::tma_prefetch_descriptor(&tm_k);
       ptx::tma_prefetch_descriptor(&tm_v);
-      for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
+      for_each_tile<Traits>(p, num_m_blocks, num_tiles, varlen_tile,
+                            [&](const auto& blk, int tile_count, int kv_count) {
         produce_tile<Traits>(p, blk, smem, &tm_q, &tm_k, &tm_v, tile_count, kv_count, !two_producers);
         if constexpr (Traits::kSplitKeys) {
           if (split) {
@@ -144,7 +164,7 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
         }
       });
     } else if (two_producers && producer_thread == kVPagedProducerThread) {
-      for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int, int kv_count) {
+      for_each_tile<Traits>(p, num_m_blocks, num_tiles, varlen_tile, [&](const auto& blk, int, int kv_count) {
         produce_paged_v<Traits>(p, blk, smem, &tm_v, kv_count);
       });
     } else if (split) {
@@ -153,7 +173,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   } else {
     ptx::setmaxnreg_inc<Traits::kConsumerRegs>();
     if (threadIdx.x == 0) ptx::tma_prefetch_descriptor(&tm_o);
-    for_each_tile<Traits>(p, num_m_blocks, num_tiles, [&](const auto& blk, int tile_count, int kv_count) {
+    for_each_tile<Traits>(p, num_m_blocks, num_tiles, varlen_tile,
+                          [&](const auto& blk, int tile_count, int kv_count) {
       consume_tile<Traits>(p, blk, smem, &tm_o, tile_count, kv_count);
     });
     finish_output_stores();
