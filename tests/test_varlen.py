@@ -11,7 +11,8 @@ import torch
 
 import flashcore
 from conftest import (assert_ran, check_close, check_gradients, cuda_skip_reason, gpu_families, lowp_attention,
-                      lowp_lse, make_generator, pack_gqa_heads, reference_attention, reference_lse)
+                      lowp_lse, make_generator, pack_gqa_heads, packed_varlen_grid, reference_attention,
+                      reference_lse)
 
 requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
 
@@ -346,11 +347,10 @@ def takes_packed_grid(batch, heads_q, heads_kv, total_q, max_seqlen_q, block_m):
     """Whether the Hopper varlen forward launches the sequences' own tiles (csrc/.../sm90/fwd_sm90_launch.cuh,
     cuda/common/varlen_tile_scan.cuh): at most 256 sequences, and a bound of groups x min(batch x ceil(max_seqlen_q /
     rows), ceil(total_q / rows) + batch) tiles at most 7/8 of the grid of max_seqlen_q's tiles for every sequence."""
-    pack = pack_gqa_heads(heads_q // heads_kv, max_seqlen_q, block_m)
-    rows, groups = block_m // pack, heads_q // pack
-    m_blocks = -(-max_seqlen_q // rows)
-    bound = groups * min(batch * m_blocks, -(-total_q // rows) + batch)
-    return batch <= 256 and 8 * bound <= 7 * batch * groups * m_blocks
+    pack, blocks, _ = packed_varlen_grid(batch, heads_q, heads_kv, max_seqlen_q, block_m)
+    groups = heads_q // pack
+    bound = groups * min(blocks // groups, -(-total_q // (block_m // pack)) + batch)
+    return batch <= 256 and 8 * bound <= 7 * blocks
 
 
 @pytest.mark.gpu

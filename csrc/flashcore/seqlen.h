@@ -57,6 +57,13 @@ struct VarlenParams {
   }
 };
 
+// Tiles a packed grid launches per head: a bound on sum_b ceil(len_b / tile) that the host knows without a sync,
+// for `batch` sequences of at most max_seqlen each and `total` in all (each sequence wastes less than one tile).
+FLASHCORE_HOST_DEVICE int64_t packed_grid_tiles(int64_t batch, int64_t max_seqlen, int64_t total, int64_t tile) {
+  const int64_t per_sequence = batch * ((max_seqlen + tile - 1) / tile), by_total = (total + tile - 1) / tile + batch;
+  return per_sequence < by_total ? per_sequence : by_total;
+}
+
 // Block `block` of a packed grid (VarlenParams::tile_end) of `heads` heads: slot s owns blocks
 // [heads * tile_end[s - 1], heads * tile_end[s]), head by head, so a sequence's tiles of one head run side by side
 // (they share K/V or Q/dO in L2). Binary search over the batch. false: past the last slot (the block exits).

@@ -374,7 +374,8 @@ const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const 
 // in all) cut into tiles, so no block is launched past a short sequence's end. All on the device, a sort and a
 // cumsum of batch values: no sync, capturable. Nothing for one sequence or with FLASHCORE_VARLEN_SCHEDULE=0. The
 // returned tensors must live until the kernel is launched. (The forward keeps the given order: its short blocks
-// measured 3 % slower with the schedule, docs/PERFORMANCE.md.)
+// measured 3 % slower with the schedule, docs/PERFORMANCE.md; the Hopper one packs its grid without a pre-pass,
+// cuda/common/varlen_tile_scan.cuh.)
 struct VarlenSchedule {
   at::Tensor order, tile_end;
 };
@@ -392,8 +393,7 @@ VarlenSchedule plan_varlen_schedule(const at::Tensor& sort_by, const at::Tensor&
     const at::Tensor len = lengths(tiled).index_select(0, order).clamp(0, max_seqlen);
     s.tile_end = at::div(len + (tile - 1), tile, "floor").cumsum(0).to(at::kInt);
     v.tile_end = s.tile_end.data_ptr<int32_t>();
-    auto ceil_tiles = [&](int64_t n) { return (n + tile - 1) / tile; };
-    v.grid_tiles = std::min(batch * ceil_tiles(max_seqlen), ceil_tiles(total) + batch);  // >= tile_end[batch - 1]
+    v.grid_tiles = packed_grid_tiles(batch, max_seqlen, total, tile);  // >= tile_end[batch - 1]
   }
   return s;
 }

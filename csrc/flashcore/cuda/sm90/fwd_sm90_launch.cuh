@@ -6,7 +6,6 @@
 #include <c10/cuda/CUDAException.h>
 #include <cuda_runtime_api.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
@@ -187,9 +186,9 @@ void launch_fwd_width(const FwdParams& p, int num_sms, cudaStream_t stream) {
 // A variable-length batch (seqlen.h): the configured width's plain or score-mod variant built for varlen, one block
 // per (sequence, head, query tile), no key split, the batch in its given order (the backward's launch schedule
 // measured 3 % slower here: docs/PERFORMANCE.md); a packed grid of the sequences' tiles where lengths differ
-// (cuda/common/varlen_tile_scan.cuh), else ceil(max_seqlen_q / rows) tiles for every sequence. The descriptors cover the packed
-// tensors as one (1, heads, total, dim) entry each; the dispatcher checks that TMA can describe them
-// (tma_compatible with batch 1). Where it computes fewer padded rows, a block packs the query heads of a group
+// (cuda/common/varlen_tile_scan.cuh), else ceil(max_seqlen_q / rows) tiles for every sequence. The descriptors
+// cover the packed tensors as one (1, heads, total, dim) entry each; the dispatcher checks that TMA can describe
+// them (tma_compatible with batch 1). Where it computes fewer padded rows, a block packs the query heads of a group
 // (pick_pack_gqa; params.h: PackGqa): Q's box then spans them, and the grid has heads_q / pack head groups of
 // ceil(max_seqlen_q / rows) blocks.
 template <int kHeadDim, typename Element, bool kScoreMod>
@@ -228,10 +227,8 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   const int num_m_blocks = (int)((p.seqlen_q + params.pack.rows - 1) / params.pack.rows);
   // At most the unpacked grid's tiles, which the host checked <= INT32_MAX.
   const int64_t num_tiles = grid.blocks(p.batch, p.heads_q, p.seqlen_q);
-  // The packed grid (cuda/common/varlen_tile_scan.cuh) where its bound leaves out an eighth of the blocks or more:
-  // sequences of at most max_seqlen_q queries hold at most ceil(total_q / rows) + batch tiles of a head group.
-  const int64_t packed_tiles = (p.heads_q / pack) * std::min<int64_t>((int64_t)num_m_blocks * p.batch,
-                                                                       (total_q + grid.rows - 1) / grid.rows + p.batch);
+  // The packed grid (cuda/common/varlen_tile_scan.cuh) where its bound leaves out an eighth of the blocks or more.
+  const int64_t packed_tiles = (p.heads_q / pack) * packed_grid_tiles(p.batch, p.seqlen_q, total_q, grid.rows);
   params.varlen.scan_grid = p.batch <= cuda::kVarlenScanMaxBatch && 8 * packed_tiles <= 7 * num_tiles &&
                             varlen_fwd_packed_grid_enabled();
   const int64_t launched = params.varlen.scan_grid ? packed_tiles : num_tiles;
