@@ -358,3 +358,61 @@ def test_backward_tma_epilogue(request, monkeypatch, case):
         assert (runs["1"][1][:, :, Sq:] == 0).all() and (runs["1"][2][:, :, Sq:] == 0).all()
     if not kw:
         check_grads(runs["1"], q, k, v, dout, causal, dtype=torch.bfloat16)
+
+
+OVERLAP_CASES = {  # (B, Hq, Hkv, Sq, Sk, D, FLASHCORE_BWD_WIDE_STEPS, call, kwargs, rows that see no key)
+    "hd128_80row_fragments_gqa": (2, 4, 2, 1000, 1000, 128, "1", "attention", {"is_causal": True}, None),
+    "hd128_64row": (1, 4, 4, 333, 900, 128, "0", "attention", {}, None),
+    "hd96_80row_rows": (2, 2, 2, 300, 1100, 96, "1", "attention", {"is_causal": True}, None),
+    "hd64_bottom_right_unseen_head": (2, 3, 3, 700, 200, 64, "1", "flash_attn_func", {"causal": True}, (0, 500)),
+    "hd128_window_unseen_tail": (1, 4, 4, 1500, 400, 128, "1", "attention", {"window_size": (50, 0)}, (450, 1500)),
+    "hd256_window": (1, 2, 1, 600, 500, 256, "1", "attention", {"window_size": (100, 20)}, None),
+    # ~8 waves of blocks: the post-pass starts during the last one, with earlier heads' tiles long complete
+    "hd128_multi_wave": (4, 16, 16, 2048, 2048, 128, "1", "attention", {"is_causal": True}, None),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERLAP_CASES))
+def test_dq_post_pass_overlap(request, monkeypatch, case):
+    """The Hopper backward counts each dQ tile down (BwdParams::dq_tiles_pending, set by the pre-pass to the key
+    blocks that see the tile) and its post-pass, launched behind it, converts tiles as they reach zero: every layout
+    (80-row fragment tiles, 80-row rows at head dim 96, 64- and 128-row tiles, head dim 256), GQA, Sq != Sk, and
+    tiles no key block adds to (their rows see no key: zeros). Deterministic gradients are bitwise equal with and
+    without the overlap (FLASHCORE_BWD_DQ_OVERLAP=0: the post-pass waits for the whole kernel), and the default
+    gradients agree with them."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the countdowns are the sm90 backward's")
+    monkeypatch.delenv("FLASHCORE_FORCE_BWD", raising=False)
+    B, Hq, Hkv, Sq, Sk, D, wide, call, kw, unseen = OVERLAP_CASES[case]
+    monkeypatch.setenv("FLASHCORE_BWD_WIDE_STEPS", wide)
+    g = make_generator(request, DEV)
+    q = randn((B, Hq, Sq, D), torch.bfloat16, g, DEV, layout="bshd").detach().requires_grad_()
+    k, v = (randn((B, Hkv, Sk, D), torch.bfloat16, g, DEV, layout="bshd").detach().requires_grad_()
+            for _ in range(2))
+    dout = randn((B, Hq, Sq, D), torch.bfloat16, g, DEV, layout="bshd")
+
+    def grads(deterministic):
+        if call == "flash_attn_func":  # (B, S, H, D) views of the BSHD storage, bottom-right causal
+            out = flashcore.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                            deterministic=deterministic, **kw).transpose(1, 2)
+        else:
+            out = flashcore.attention(q, k, v, enable_gqa=Hq != Hkv, deterministic=deterministic, **kw)
+        return torch.autograd.grad(out, (q, k, v), dout)
+
+    runs = {}
+    for overlap in ("1", "0"):
+        monkeypatch.setenv("FLASHCORE_BWD_DQ_OVERLAP", overlap)
+        runs[overlap] = grads(True)
+        ran = assert_ran("bwd", "sm90")
+        assert ("dq-overlap" in ran) == (overlap == "1"), ran
+    assert all(torch.equal(x, y) for x, y in zip(runs["1"], runs["0"]))
+    monkeypatch.setenv("FLASHCORE_BWD_DQ_OVERLAP", "1")
+    default = grads(False)
+    for x, y in zip(default, runs["0"]):
+        assert torch.isfinite(x).all()
+        torch.testing.assert_close(x.float(), y.float(), atol=3e-2, rtol=3e-2)
+    if unseen is not None:
+        assert (default[0][:, :, unseen[0]:unseen[1]] == 0).all()
+        assert default[0][:, :, :unseen[0]].abs().sum() + default[0][:, :, unseen[1]:].abs().sum() > 0
+    if call == "attention" and set(kw) <= {"is_causal"} and B * Hq * Sq * Sk < 2**24:
+        check_grads(default, q, k, v, dout, kw.get("is_causal", False), dtype=torch.bfloat16)

@@ -140,6 +140,11 @@ struct BwdParams : FwdParams {
   // The deterministic Hopper backward (dense): a zeroed int32 flag a (batch, query head, query tile) that orders the
   // key blocks' dQ reductions of the tile by key block (sm90/bwd_sm90_producer.cuh); nullptr otherwise.
   int* dq_turns = nullptr;
+  // The Hopper backward (dense): an int32 countdown a (batch, query head, query tile of the kernel's kBlockM rows),
+  // set by the pre-pass to the number of key blocks that add to the tile; each block's dQ writer counts its tiles
+  // down once all its reductions are complete, and the dQ post-pass, launched to overlap the kernel's last wave,
+  // converts a tile once it reads zero (bwd_dq_convert.cu). nullptr otherwise.
+  int* dq_tiles_pending = nullptr;
 };
 
 }  // namespace flashcore

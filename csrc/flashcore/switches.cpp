@@ -93,6 +93,11 @@ bool dq_convert_kernel_enabled() {
   return v == nullptr || std::strcmp(v, "aten") != 0;
 }
 
+bool bwd_dq_overlap_enabled() {
+  const char* v = env("FLASHCORE_BWD_DQ_OVERLAP");
+  return v == nullptr || std::strcmp(v, "0") != 0;
+}
+
 int decode_tma_forced() {
   const char* v = env("FLASHCORE_DECODE_TMA");
   if (v == nullptr) return -1;

@@ -26,6 +26,8 @@
 //                                               memory and TMA (A/B)
 //   FLASHCORE_DQ_CONVERT=aten                   the backward's dQ post-pass from ATen operations, not its kernel
 //                                               (the fallback the tests cover)
+//   FLASHCORE_BWD_DQ_OVERLAP=0                  the sm90 backward's dQ post-pass waits for the whole kernel, not
+//                                               tile by tile on its countdowns (BwdParams::dq_tiles_pending; A/B)
 //   FLASHCORE_DECODE_LONGEST_FIRST=0            the KV-cache kernel's blocks take their batch entries in index
 //                                               order, not longest first (A/B)
 //   FLASHCORE_DECODE_TMA=0|1                    the KV-cache kernel's loader on Hopper: 0 cp.async everywhere, 1 TMA
@@ -52,6 +54,7 @@ bool decode_longest_first_enabled();
 bool bwd_wide_steps_enabled();
 bool bwd_tma_epilogue_enabled();
 bool dq_convert_kernel_enabled();
+bool bwd_dq_overlap_enabled();
 int decode_tma_forced();      // -1 when not forced, else 0 or 1; throws on a malformed value
 
 }  // namespace flashcore

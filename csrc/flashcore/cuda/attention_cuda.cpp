@@ -196,9 +196,10 @@ at::Tensor dq_accum_as_rows(const at::Tensor& dq_accum, int fragment_rows) {
 // contiguous, rows of columns or (fragment_rows > 0) tiles in fragment order; grad_query4: grad_query viewed as
 // (B, H, S, D) (a view, so both paths write grad_query's storage). The post-pass kernel (bwd_dq_convert.cuh) takes
 // every grad_query empty_like makes here (the ops require a unit-stride head dim, a multiple of 8 on the fused
-// paths); ATen covers what its grid does not (more than 65 535 x 64 query rows).
+// paths); ATen covers what its grid does not. tiles_pending (BwdParams::dq_tiles_pending, tiles of tile_rows rows):
+// the post-pass kernel converts each tile as soon as the fused kernel, launched just before, counts it down.
 void write_grad_query(const at::Tensor& dq_accum, const at::Tensor& grad_query4, double scale,
-                      int fragment_rows = 0) {
+                      int fragment_rows = 0, const int* tiles_pending = nullptr, int tile_rows = 0) {
   cuda::DqConvertArgs a{};
   a.accum = dq_accum.data_ptr<float>();
   a.batch = grad_query4.size(0);
@@ -214,6 +215,8 @@ void write_grad_query(const at::Tensor& dq_accum, const at::Tensor& grad_query4,
   a.scale = (float)scale;
   a.bf16 = grad_query4.scalar_type() == at::kBFloat16;
   a.fragment_rows = fragment_rows;
+  a.tiles_pending = tiles_pending;
+  a.tile_rows = tile_rows;
   if (grad_query4.stride(3) == 1 && cuda::dq_convert_supported(a) && dq_convert_kernel_enabled()) {
     cuda::launch_bwd_dq_convert(a, at::cuda::getCurrentCUDAStream());
   } else {
@@ -272,20 +275,36 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
     dq_turns = at::zeros({q.size(0), q.size(1), rows / block_m}, q.options().dtype(at::kInt));
     p.dq_turns = dq_turns.data_ptr<int>();
   }
+  // The sm90 kernel counts its dQ tiles down (the pre-pass sets them), so that the post-pass can convert them
+  // during its last wave. grad_query then exists while the kernel runs, and nothing the kernel reads may be freed
+  // before the post-pass has started (its memory could be handed to grad_query): dsum lives to the end.
+  const bool overlap = kernel->block_n > 0 && bwd_dq_overlap_enabled();
+  at::Tensor tiles_pending;
+  if (overlap) {
+    tiles_pending = at::empty({q.size(0), q.size(1), rows / block_m}, q.options().dtype(at::kInt));
+    if (poison_outputs()) tiles_pending.fill_(1 << 30);  // a count the pre-pass leaves unset never reaches zero
+    p.dq_tiles_pending = tiles_pending.data_ptr<int>();
+    grad_query = at::empty_like(query_in);
+    poison_if_enabled({grad_query});
+  }
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   // One pass computes dsum and zeroes dq_accum, instead of a separate fill kernel (~80 us of a 12 ms backward at
   // 4x16x8192x128; measured within noise of the two-kernel version, one launch fewer).
   cuda::launch_bwd_prepass(p, q.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(),
-                           rows, (int)dq_cols, stream);
+                           rows, (int)dq_cols, cuda::DqTileShape{block_m, kernel->block_n}, stream);
   KernelTrace trace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod};
   trace.wide_block_m = wide ? block_m : 0;
   trace.deterministic = deterministic;
+  trace.dq_overlap = overlap;
   record_kernel(Pass::kBwd, trace);
   (wide ? kernel->launch_wide : kernel->launch)(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
-  dsum = at::Tensor();
-  grad_query = at::empty_like(query_in);
-  poison_if_enabled({grad_query});
-  write_grad_query(dq_accum, grad_query, layout.unscaled ? p.scale : 1.0, layout.fragment_rows);
+  if (!overlap) {
+    dsum = at::Tensor();
+    grad_query = at::empty_like(query_in);
+    poison_if_enabled({grad_query});
+  }
+  write_grad_query(dq_accum, grad_query, layout.unscaled ? p.scale : 1.0, layout.fragment_rows, p.dq_tiles_pending,
+                   block_m);
   return {grad_query, grad_key, grad_value};
 }
 
@@ -370,7 +389,7 @@ const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const 
 
 // How the varlen backward's grid walks the batch (seqlen.h: VarlenParams::launch_order, tile_end): the sequences
 // sorted longest first by sort_by's lengths (a backward block's work grows with its sequence's queries), and for
-// kernels with a fixed tile (the entry's varlen_tile) a packed grid of `tiled`'s lengths (at most max_seqlen, total
+// kernels with a fixed tile (the entry's block_n) a packed grid of `tiled`'s lengths (at most max_seqlen, total
 // in all) cut into tiles, so no block is launched past a short sequence's end. All on the device, a sort and a
 // cumsum of batch values: no sync, capturable. Nothing for one sequence or with FLASHCORE_VARLEN_SCHEDULE=0. The
 // returned tensors must live until the kernel is launched. (The forward keeps the given order: its short blocks
@@ -567,7 +586,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   BwdParams p = make_varlen_bwd_params(dout, q, k, v, o, lse, at::Tensor(), grad_key, grad_value, args, opts,
                                        deterministic);
   const VarlenSchedule schedule = plan_varlen_schedule(args.cu_seqlens_q, args.cu_seqlens_k, max_seqlen_k, k.size(0),
-                                                       kernel->varlen_tile, p.varlen);
+                                                       kernel->block_n, p.varlen);
   const int64_t total_q = q.size(0), Hq = q.size(1);
   const auto f32 = q.options().dtype(at::kFloat);
   at::Tensor dsum = at::empty({Hq, total_q}, f32);
@@ -582,7 +601,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   rows.seqlen_q = total_q;
   rows.varlen = VarlenParams{};
   cuda::launch_bwd_prepass(rows, q.scalar_type() == at::kBFloat16, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(),
-                           total_q, (int)dq_cols, stream);
+                           total_q, (int)dq_cols, cuda::DqTileShape{}, stream);
   const bool wide = kernel->launch_varlen_wide != nullptr && bwd_wide_steps_enabled();
   KernelTrace trace{kernel->family, kernel->head_dim_tile, 0, 1, false, kernel->score_mod, true};
   trace.wide_block_m = wide ? kernel->wide_block_m : 0;

@@ -25,6 +25,12 @@ struct DqConvertArgs {
   float scale;
   bool bf16;
   int fragment_rows = 0;
+  // The fused kernel's countdowns (BwdParams::dq_tiles_pending: (batch * heads, rows_per_head / tile_rows) int32),
+  // or nullptr. Set, the post-pass is launched right behind that kernel (programmatic dependent launch) and
+  // converts each tile once its countdown reads zero, overlapping the kernel's last wave; otherwise it waits for the
+  // previous grid as a whole.
+  const int* tiles_pending = nullptr;
+  int tile_rows = 0;
 };
 
 // Whether the vectorized kernel applies: head_dim a multiple of 8, accumulator rows and grad_query's rows and

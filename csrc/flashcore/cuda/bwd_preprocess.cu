@@ -20,7 +20,7 @@ constexpr int kRowsPerThread = 2;  // rows of one iteration: their loads are iss
 template <typename Element, int kThreadsPerRow>
 __global__ void __launch_bounds__(kThreads)
     bwd_prepass_kernel(const BwdParams p, float* __restrict__ dsum, float* __restrict__ dq_accum, int64_t dq_rows,
-                       int dq_cols) {
+                       int dq_cols, const DqTileShape tiles) {
   constexpr int kSlots = kThreads / kThreadsPerRow, kRowsPerBlock = kSlots * kRowsPerThread;
   const int sub = threadIdx.x % kThreadsPerRow, slot = threadIdx.x / kThreadsPerRow;
   const int col = sub * 8;
@@ -50,6 +50,12 @@ __global__ void __launch_bounds__(kThreads)
         if (i < dq_rows) {
           float4* zero = reinterpret_cast<float4*>(dq + i * dq_cols);
           for (int c = sub; c < dq_cols / 4; c += kThreadsPerRow) zero[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+          // A tile's first row (< seqlen_q: dq_rows pads seqlen_q to whole tiles) sets its countdown.
+          if (p.dq_tiles_pending != nullptr && sub == 0 && i % tiles.rows == 0) {
+            const int64_t end = i + tiles.rows < p.seqlen_q ? i + tiles.rows : p.seqlen_q;
+            const int64_t key_blocks = Band::tiles(p.band.keys_of_queries(i, end), tiles.keys).size();
+            p.dq_tiles_pending[bh * (dq_rows / tiles.rows) + i / tiles.rows] = (int)key_blocks;
+          }
         }
       }
 #pragma unroll
@@ -64,39 +70,43 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <typename Element, int kThreadsPerRow>
-void launch(const BwdParams& p, float* dsum, float* dq_accum, int64_t dq_rows, int dq_cols, cudaStream_t stream) {
+void launch(const BwdParams& p, float* dsum, float* dq_accum, int64_t dq_rows, int dq_cols, DqTileShape tiles,
+            cudaStream_t stream) {
   constexpr int64_t kRowsPerBlock = kThreads / kThreadsPerRow * kRowsPerThread;
-  const int64_t tiles = (dq_rows + kRowsPerBlock - 1) / kRowsPerBlock;
+  const int64_t row_blocks = (dq_rows + kRowsPerBlock - 1) / kRowsPerBlock;
   const int64_t pairs = p.batch * p.heads_q;
   // Grid-stride in both dimensions: the grid stays within CUDA's limits for any row count.
-  const dim3 grid((unsigned)std::min<int64_t>(tiles, INT32_MAX), (unsigned)std::min<int64_t>(pairs, 65535));
-  bwd_prepass_kernel<Element, kThreadsPerRow><<<grid, kThreads, 0, stream>>>(p, dsum, dq_accum, dq_rows, dq_cols);
+  const dim3 grid((unsigned)std::min<int64_t>(row_blocks, INT32_MAX), (unsigned)std::min<int64_t>(pairs, 65535));
+  bwd_prepass_kernel<Element, kThreadsPerRow><<<grid, kThreads, 0, stream>>>(p, dsum, dq_accum, dq_rows, dq_cols,
+                                                                         tiles);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename Element>
 void launch_for_head_dim(const BwdParams& p, float* dsum, float* dq_accum, int64_t dq_rows, int dq_cols,
-                         cudaStream_t stream) {
+                         DqTileShape tiles, cudaStream_t stream) {
   // The smallest power-of-two lane group whose 16-byte chunks cover the head dim (<= 256).
   if (p.head_dim <= 32)
-    launch<Element, 4>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
+    launch<Element, 4>(p, dsum, dq_accum, dq_rows, dq_cols, tiles, stream);
   else if (p.head_dim <= 64)
-    launch<Element, 8>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
+    launch<Element, 8>(p, dsum, dq_accum, dq_rows, dq_cols, tiles, stream);
   else if (p.head_dim <= 128)
-    launch<Element, 16>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
+    launch<Element, 16>(p, dsum, dq_accum, dq_rows, dq_cols, tiles, stream);
   else
-    launch<Element, 32>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
+    launch<Element, 32>(p, dsum, dq_accum, dq_rows, dq_cols, tiles, stream);
 }
 
 }  // namespace
 
 void launch_bwd_prepass(const BwdParams& p, bool bf16, float* dsum, float* dq_accum, int64_t dq_rows, int dq_cols,
-                        cudaStream_t stream) {
+                        DqTileShape tiles, cudaStream_t stream) {
   if (p.batch * p.heads_q == 0 || dq_rows == 0) return;
+  TORCH_INTERNAL_ASSERT(p.dq_tiles_pending == nullptr ||
+                        (tiles.rows > 0 && tiles.keys > 0 && dq_rows % tiles.rows == 0));
   if (bf16)
-    launch_for_head_dim<__nv_bfloat16>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
+    launch_for_head_dim<__nv_bfloat16>(p, dsum, dq_accum, dq_rows, dq_cols, tiles, stream);
   else
-    launch_for_head_dim<__half>(p, dsum, dq_accum, dq_rows, dq_cols, stream);
+    launch_for_head_dim<__half>(p, dsum, dq_accum, dq_rows, dq_cols, tiles, stream);
 }
 
 }  // namespace flashcore::cuda

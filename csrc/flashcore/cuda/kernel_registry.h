@@ -50,8 +50,9 @@ struct BwdKernelEntry {
   DqAccumLayout dq_accum = {false, false};
   // The variable-length launcher: dsum (heads_q, total_q), dq_accum (heads_q, total_q, dq columns as above), zeroed.
   BwdLaunchFn launch_varlen = nullptr;
-  // Keys of the varlen kernel's blocks when fixed (then its grid can be packed: VarlenParams::tile_end), or 0.
-  int varlen_tile = 0;
+  // Keys of a block, the same in the dense and varlen kernels, where fixed (sm90), or 0: the varlen grid can then be
+  // packed (VarlenParams::tile_end), and the dense kernel counts its dQ tiles down (BwdParams::dq_tiles_pending).
+  int block_n = 0;
   // Kernels with wide_block_m query rows a step, taken instead of launch / launch_varlen where present (dense:
   // dq_accum's rows are padded to wide_block_m then), or nullptr: sm90 head-dim tiles 96 and 128 have 80-row steps.
   BwdLaunchFn launch_wide = nullptr;

@@ -6,5 +6,5 @@ namespace {
 const bool registered = flashcore::cuda::register_bwd_kernel(
     {"sm90", 128, flashcore::cuda::DType::kBf16, false,
      flashcore::sm90::bwd_smem_bytes<128, __nv_bfloat16, false>(), flashcore::sm90::bwd_block_m<128, __nv_bfloat16, false>(),
-     &flashcore::sm90::launch_bwd<128, __nv_bfloat16, false>, flashcore::sm90::kBwdDqAccum, &flashcore::sm90::launch_bwd_varlen<128, __nv_bfloat16, false>, flashcore::sm90::bwd_varlen_tile<128, __nv_bfloat16, false>(), flashcore::sm90::bwd_wide_launcher<128, __nv_bfloat16, false, false>(), flashcore::sm90::bwd_wide_launcher<128, __nv_bfloat16, false, true>(), flashcore::sm90::bwd_wide_block_m<128, __nv_bfloat16, false>(), flashcore::sm90::bwd_wide_dq_accum<128, __nv_bfloat16, false>()});
+     &flashcore::sm90::launch_bwd<128, __nv_bfloat16, false>, flashcore::sm90::kBwdDqAccum, &flashcore::sm90::launch_bwd_varlen<128, __nv_bfloat16, false>, flashcore::sm90::bwd_block_n<128, __nv_bfloat16, false>(), flashcore::sm90::bwd_wide_launcher<128, __nv_bfloat16, false, false>(), flashcore::sm90::bwd_wide_launcher<128, __nv_bfloat16, false, true>(), flashcore::sm90::bwd_wide_block_m<128, __nv_bfloat16, false>(), flashcore::sm90::bwd_wide_dq_accum<128, __nv_bfloat16, false>()});
 }  // namespace

@@ -6,5 +6,5 @@ namespace {
 const bool registered = flashcore::cuda::register_bwd_kernel(
     {"sm90", 256, flashcore::cuda::DType::kBf16, true,
      flashcore::sm90::bwd_smem_bytes<256, __nv_bfloat16, true>(), flashcore::sm90::bwd_block_m<256, __nv_bfloat16, true>(),
-     &flashcore::sm90::launch_bwd<256, __nv_bfloat16, true>, flashcore::sm90::kBwdDqAccum, &flashcore::sm90::launch_bwd_varlen<256, __nv_bfloat16, true>, flashcore::sm90::bwd_varlen_tile<256, __nv_bfloat16, true>(), flashcore::sm90::bwd_wide_launcher<256, __nv_bfloat16, true, false>(), flashcore::sm90::bwd_wide_launcher<256, __nv_bfloat16, true, true>(), flashcore::sm90::bwd_wide_block_m<256, __nv_bfloat16, true>(), flashcore::sm90::bwd_wide_dq_accum<256, __nv_bfloat16, true>()});
+     &flashcore::sm90::launch_bwd<256, __nv_bfloat16, true>, flashcore::sm90::kBwdDqAccum, &flashcore::sm90::launch_bwd_varlen<256, __nv_bfloat16, true>, flashcore::sm90::bwd_block_n<256, __nv_bfloat16, true>(), flashcore::sm90::bwd_wide_launcher<256, __nv_bfloat16, true, false>(), flashcore::sm90::bwd_wide_launcher<256, __nv_bfloat16, true, true>(), flashcore::sm90::bwd_wide_block_m<256, __nv_bfloat16, true>(), flashcore::sm90::bwd_wide_dq_accum<256, __nv_bfloat16, true>()});
 }  // namespace

@@ -6,5 +6,5 @@ namespace {
 const bool registered = flashcore::cuda::register_bwd_kernel(
     {"sm90", 64, flashcore::cuda::DType::kFp16, true,
      flashcore::sm90::bwd_smem_bytes<64, __half, true>(), flashcore::sm90::bwd_block_m<64, __half, true>(),
-     &flashcore::sm90::launch_bwd<64, __half, true>, flashcore::sm90::kBwdDqAccum, &flashcore::sm90::launch_bwd_varlen<64, __half, true>, flashcore::sm90::bwd_varlen_tile<64, __half, true>(), flashcore::sm90::bwd_wide_launcher<64, __half, true, false>(), flashcore::sm90::bwd_wide_launcher<64, __half, true, true>(), flashcore::sm90::bwd_wide_block_m<64, __half, true>(), flashcore::sm90::bwd_wide_dq_accum<64, __half, true>()});
+     &flashcore::sm90::launch_bwd<64, __half, true>, flashcore::sm90::kBwdDqAccum, &flashcore::sm90::launch_bwd_varlen<64, __half, true>, flashcore::sm90::bwd_block_n<64, __half, true>(), flashcore::sm90::bwd_wide_launcher<64, __half, true, false>(), flashcore::sm90::bwd_wide_launcher<64, __half, true, true>(), flashcore::sm90::bwd_wide_block_m<64, __half, true>(), flashcore::sm90::bwd_wide_dq_accum<64, __half, true>()});
 }  // namespace

@@ -52,8 +52,8 @@ for (kind, family), hdims in KERNELS.items():
                 # mma.sync family runs every varlen call on its score-mod kernels).
                 varlen_args = f"{hdim}, {ctype}" + (f", {'true' if mod else 'false'}" if family == "sm90" else "")
                 with_varlen = mod or family == "sm90"
-                # sm90 backward: also the tile a packed varlen grid is cut into (kernel_registry.h: varlen_tile).
-                tile = f", flashcore::sm90::bwd_varlen_tile<{varlen_args}>()" if family == "sm90" else ""
+                # sm90 backward: also the keys of its blocks (kernel_registry.h: block_n).
+                tile = f", flashcore::sm90::bwd_block_n<{varlen_args}>()" if family == "sm90" else ""
                 # sm90 backward: and the wide-step launchers (nullptr where there are none) and their dq_accum layout.
                 if family == "sm90":
                     tile += (f", flashcore::sm90::bwd_wide_launcher<{varlen_args}, false>(),"

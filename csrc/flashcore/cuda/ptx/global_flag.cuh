@@ -1,10 +1,16 @@
-// A turn-taking flag in global memory between blocks of one grid, wrapped once: a thread waits (acquire, GPU
-// scope) until the flag holds its turn, and later hands the turn on (release, GPU scope). The deterministic
-// backwards order their dQ additions with it (sm90/bwd_sm90_producer.cuh, sm80/bwd_sm80_kernel.cuh).
+// Flags and counters in global memory between blocks (of one grid, or of two overlapping grids), wrapped once:
+//   a turn-taking flag: a thread waits (acquire, GPU scope) until the flag holds its turn, and later hands the turn
+//   on (release, GPU scope); the deterministic backwards order their dQ additions with it
+//   (sm90/bwd_sm90_producer.cuh, sm80/bwd_sm80_kernel.cuh);
+//   a countdown: writers subtract one once their part is done and released, a reader waits for zero (acquire);
+//   the Hopper backward's dQ tiles tell the overlapping post-pass they are whole (bwd_dq_convert.cu).
 // PTX ISA "Data movement: ld" / "st" with .acquire / .release and .gpu scope (9.7.9.8, 9.7.9.10; memory consistency
-// model, section 8; sm_70+), and "membar/fence" (9.7.13.4): fence.proxy.async (sm_90) orders these generic-proxy
-// accesses with the thread's bulk (async-proxy) reductions on either side.
+// model, section 8; sm_70+), "red" (9.7.13.6, sm_70+), "nanosleep" (9.7.13.12, sm_70+), and
+// "membar/fence" (9.7.13.4): fence.proxy.async (sm_90) orders these generic-proxy accesses with the thread's bulk
+// (async-proxy) reductions on either side.
 #pragma once
+
+#include <cstdint>
 
 namespace flashcore::ptx {
 
@@ -41,6 +47,30 @@ __device__ __forceinline__ void wait_for_turn(const int* flag, int turn) {
 __device__ __forceinline__ void pass_turn(int* flag, int next) {
   fence_proxy_async_global();
   store_release_gpu(flag, next);
+}
+
+// Orders everything this thread did before, its completed bulk reductions included (bulk_wait_group<0> first),
+// before its later relaxed writes at GPU scope (a release pattern: proxy fence, then fence.acq_rel.gpu).
+__device__ __forceinline__ void release_bulk_writes_gpu() {
+  fence_proxy_async_global();
+  asm volatile("fence.acq_rel.gpu;\n" ::: "memory");
+}
+
+// Subtracts one from a countdown (relaxed: release_bulk_writes_gpu before it orders what it announces).
+__device__ __forceinline__ void count_down_relaxed(int* counter) {
+  asm volatile("red.relaxed.gpu.global.add.s32 [%0], -1;\n" ::"l"(counter) : "memory");
+}
+
+// Spins (backing off with nanosleep: the writers may be a whole block's lifetime away) until *counter == 0; the
+// thread's later accesses follow what every writer did before its count_down. After ~60 s it traps: a counter
+// that never reaches zero is a bug, and a launch failure is better than a hung process.
+__device__ __forceinline__ void wait_until_zero(const int* counter) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  for (uint32_t spins = 0; load_acquire_gpu(counter) != 0; ++spins) {
+    __nanosleep(spins < 64 ? 32 : 1024);
+    if (spins > (1u << 26)) __trap();
+  }
+#endif
 }
 
 }  // namespace flashcore::ptx

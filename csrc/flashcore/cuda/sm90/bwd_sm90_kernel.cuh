@@ -9,7 +9,8 @@
 //     step on wgmma; dQ is staged in shared memory (bwd_sm90_consumer.cuh, bwd_sm90_consumer_wide.cuh);
 //   dQ writer (one thread of the producer warpgroup's second warp): adds each staged dQ tile to the fp32
 //     accumulator with TMA reductions (bwd_sm90_producer.cuh).
-// The pre-pass (bwd_preprocess.cuh) computes dsum = rowsum(dO * O) first; dq_accum is converted to dQ after.
+// The pre-pass (bwd_preprocess.cuh) computes dsum = rowsum(dO * O) first; dq_accum is converted to dQ after, by
+// a post-pass that overlaps this grid's last wave, tile by tile (BwdParams::dq_tiles_pending).
 // Variable-length batches (Traits::kVarlen): one block per (key block of max_seqlen_k, sequence, kv head), reading
 // its sequence's rows of the packed tensors (seqlen.h).
 #pragma once
@@ -17,6 +18,7 @@
 #include <cuda.h>
 
 #include "../../params.h"
+#include "../ptx/grid_dependency.cuh"
 #include "../ptx/mbarrier.cuh"
 #include "../ptx/tma.cuh"
 #include "../ptx/warpgroup.cuh"
@@ -61,6 +63,10 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
     ptx::fence_barrier_init();
   }
   __syncthreads();
+  // The dQ post-pass may launch once every block has started (programmatic dependent launch): its blocks take
+  // the SMs this grid's last wave leaves idle and convert each dQ tile whose countdown reached zero
+  // (BwdParams::dq_tiles_pending); no block of this grid is then still waiting for an SM, so none waits on them.
+  ptx::allow_dependent_grids();
 
   const BwdBlock blk = bwd_block<Traits::kBlockM, Traits::kBlockN, Traits::kVarlen>(p, num_n_blocks);
   // Varlen: the grid covers max_seqlen_k; a block past its sequence's keys owns no dK/dV row (the whole block

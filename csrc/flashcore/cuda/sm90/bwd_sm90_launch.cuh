@@ -50,10 +50,14 @@ constexpr int bwd_block_m() {
   return BwdSm90Traits<kHeadDim, Element, kScoreMod>::kBlockM;
 }
 
-// Keys of the varlen kernel's blocks (BwdKernelEntry::varlen_tile: the packed grid's tile).
+// Keys of a block (BwdKernelEntry::block_n: the packed varlen grid's tile and the dense dQ countdowns' key blocks).
 template <int kHeadDim, typename Element, bool kScoreMod>
-constexpr int bwd_varlen_tile() {
-  return BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/true>::kBlockN;
+constexpr int bwd_block_n() {
+  constexpr int kBlockN = BwdSm90Traits<kHeadDim, Element, kScoreMod>::kBlockN;
+  static_assert(kBlockN == BwdSm90Traits<kHeadDim, Element, kScoreMod, /*kVarlen=*/true>::kBlockN);
+  if constexpr (has_wide_steps<kHeadDim>())
+    static_assert(kBlockN == BwdSm90Traits<kHeadDim, Element, kScoreMod, false, true>::kBlockN);
+  return kBlockN;
 }
 
 // The dK/dV tensor maps of the TMA epilogue (write_dk_dv_tma): 64-key boxes over (batch, heads_kv, rows, dim), rows
