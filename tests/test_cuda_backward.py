@@ -416,3 +416,26 @@ def test_dq_post_pass_overlap(request, monkeypatch, case):
         assert default[0][:, :, :unseen[0]].abs().sum() + default[0][:, :, unseen[1]:].abs().sum() > 0
     if call == "attention" and set(kw) <= {"is_causal"} and B * Hq * Sq * Sk < 2**24:
         check_grads(default, q, k, v, dout, kw.get("is_causal", False), dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("switch", ["FLASHCORE_PDL=0", "FLASHCORE_DQ_CONVERT=aten"])
+def test_dq_post_pass_overlap_off_without_its_kernel_or_pdl(request, monkeypatch, switch):
+    """The countdowns are only set up where the post-pass kernel can overlap the backward (programmatic dependent
+    launch allowed, the kernel taking the conversion): with either switched off the trace has no dq-overlap, and
+    deterministic gradients equal those of the overlapping path."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the countdowns are the sm90 backward's")
+    monkeypatch.delenv("FLASHCORE_FORCE_BWD", raising=False)
+    g = make_generator(request, DEV)
+    q, k, v = (randn((2, 4, 333, 128), torch.bfloat16, g, DEV).requires_grad_() for _ in range(3))
+    dout = randn((2, 4, 333, 128), torch.bfloat16, g, DEV)
+    runs = []
+    for off in (False, True):
+        if off:
+            name, value = switch.split("=")
+            monkeypatch.setenv(name, value)
+        out = flashcore.attention(q, k, v, is_causal=True, deterministic=True)
+        runs.append(torch.autograd.grad(out, (q, k, v), dout))
+        ran = assert_ran("bwd", "sm90")
+        assert ("dq-overlap" in ran) == (not off), ran
+    assert all(torch.equal(x, y) for x, y in zip(*runs))

@@ -8,6 +8,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -275,10 +276,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
     dq_turns = at::zeros({q.size(0), q.size(1), rows / block_m}, q.options().dtype(at::kInt));
     p.dq_turns = dq_turns.data_ptr<int>();
   }
-  // The sm90 kernel counts its dQ tiles down (the pre-pass sets them), so that the post-pass can convert them
-  // during its last wave. grad_query then exists while the kernel runs, and nothing the kernel reads may be freed
-  // before the post-pass has started (its memory could be handed to grad_query): dsum lives to the end.
-  const bool overlap = kernel->block_n > 0 && bwd_dq_overlap_enabled();
+  // The sm90 kernel counts its dQ tiles down (the pre-pass sets them), so that the post-pass kernel, launched
+  // behind it with programmatic dependent launch, can convert them during its last wave. grad_query is then written
+  // while the kernel runs: it is allocated before, and nothing is allocated between the two launches (peak memory:
+  // grad_query beside dsum, one fp32 value a query row).
+  const bool overlap = std::strcmp(kernel->family, "sm90") == 0 && kernel->block_n > 0 && bwd_dq_overlap_enabled() &&
+                       pdl_allowed() && dq_convert_kernel_enabled();
   at::Tensor tiles_pending;
   if (overlap) {
     tiles_pending = at::empty({q.size(0), q.size(1), rows / block_m}, q.options().dtype(at::kInt));
@@ -298,8 +301,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> bwd_cuda(const at::Tensor& grad_o
   trace.dq_overlap = overlap;
   record_kernel(Pass::kBwd, trace);
   (wide ? kernel->launch_wide : kernel->launch)(p, dsum.data_ptr<float>(), dq_accum.data_ptr<float>(), stream);
+  dsum = at::Tensor();
   if (!overlap) {
-    dsum = at::Tensor();
     grad_query = at::empty_like(query_in);
     poison_if_enabled({grad_query});
   }

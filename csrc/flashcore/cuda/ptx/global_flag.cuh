@@ -5,12 +5,13 @@
 //   a countdown: writers subtract one once their part is done and released, a reader waits for zero (acquire);
 //   the Hopper backward's dQ tiles tell the overlapping post-pass they are whole (bwd_dq_convert.cu).
 // PTX ISA "Data movement: ld" / "st" with .acquire / .release and .gpu scope (9.7.9.8, 9.7.9.10; memory consistency
-// model, section 8; sm_70+), "red" (9.7.13.6, sm_70+), "nanosleep" (9.7.13.12, sm_70+), and
+// model, section 8; sm_70+), "red" (9.7.13.6, sm_70+), "nanosleep" (9.7.13.12, sm_70+), %globaltimer (10.31), and
 // "membar/fence" (9.7.13.4): fence.proxy.async (sm_90) orders these generic-proxy accesses with the thread's bulk
 // (async-proxy) reductions on either side.
 #pragma once
 
 #include <cstdint>
+#include <cstdio>
 
 namespace flashcore::ptx {
 
@@ -61,14 +62,31 @@ __device__ __forceinline__ void count_down_relaxed(int* counter) {
   asm volatile("red.relaxed.gpu.global.add.s32 [%0], -1;\n" ::"l"(counter) : "memory");
 }
 
+// The GPU's global nanosecond timer (PTX ISA "Special registers: %globaltimer", 10.31).
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t t;
+  asm volatile("mov.u64 %0, %globaltimer;\n" : "=l"(t));
+  return t;
+}
+
 // Spins (backing off with nanosleep: the writers may be a whole block's lifetime away) until *counter == 0; the
-// thread's later accesses follow what every writer did before its count_down. After ~60 s it traps: a counter
-// that never reaches zero is a bug, and a launch failure is better than a hung process.
+// thread's later accesses follow what every writer did before its count_down. After kCountdownTimeoutNs of real
+// time (%globaltimer: nanosleep's length is only a hint) it reports and traps: a counter that never reaches zero is
+// a bug, and a launch failure that says so is better than a hung process. The limit is far above any block's
+// lifetime (tens of ms at 512k keys), also under compute-sanitizer's slowdown.
+constexpr uint64_t kCountdownTimeoutNs = 120ull * 1000 * 1000 * 1000;
+
 __device__ __forceinline__ void wait_until_zero(const int* counter) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  if (load_acquire_gpu(counter) == 0) return;
+  const uint64_t start = global_timer_ns();
   for (uint32_t spins = 0; load_acquire_gpu(counter) != 0; ++spins) {
     __nanosleep(spins < 64 ? 32 : 1024);
-    if (spins > (1u << 26)) __trap();
+    if ((spins & 1023) == 0 && global_timer_ns() - start > kCountdownTimeoutNs) {
+      printf("flashcore: a countdown at %p still reads %d after 120 s; a kernel that should count it down did not\n",
+             counter, load_acquire_gpu(counter));
+      __trap();
+    }
   }
 #endif
 }

@@ -8,7 +8,8 @@
 // wait_for_prior_grids(), which returns once the previous grids have completed and their writes are visible.
 // One exception, the dQ post-pass behind the Hopper backward (bwd_dq_convert.cu): it reads only what that kernel
 // has published through countdowns (global_flag.cuh), writes only memory that kernel never touches, and keeps its
-// own grid from completing before that kernel does.
+// own grid from completing before that kernel does. It relies on the backward kernel being launched plainly (its
+// start, hence its trigger, then follows the pre-pass that sets the countdowns).
 // Without a programmatic dependency (older GPUs' launch path, a plain launch) both calls are no-ops.
 #pragma once
 

@@ -112,6 +112,8 @@ void launch_bwd(const BwdParams& p, const float* dsum, float* dq_accum, cudaStre
   const DkDvMaps dkdv = dk_dv_maps<Traits>(p, p.batch, p.seqlen_k, tm_k, tm_v, kBf16);
   const int num_n_blocks = (int)((p.seqlen_k + Traits::kBlockN - 1) / Traits::kBlockN);
   const int64_t grid = (int64_t)num_n_blocks * p.batch * p.heads_kv;  // the dispatcher checked grid <= INT32_MAX
+  // A plain launch, never a programmatic dependent one: the kernel triggers the dQ post-pass at its start, which must
+  // come after the pre-pass has set the countdowns (BwdParams::dq_tiles_pending) and zeroed dq_accum.
   kernel<<<dim3((unsigned)grid), dim3(Traits::kNThreads), kSmem, stream>>>(
       p, tm_q, tm_k, tm_v, tm_do, tm_dq, dkdv.dk, dkdv.dv, dsum, dq_accum, num_n_blocks, dkdv.tma);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
