@@ -139,22 +139,15 @@ void launch_bwd_dq_convert(const DqConvertArgs& a, cudaStream_t stream) {
   if (a.batch * a.heads == 0 || a.seqlen == 0) return;
   const int rows_per_block = a.fragment_rows > 0 ? a.fragment_rows : kRowsPerBlock;
   const dim3 grid((unsigned)(a.batch * a.heads * ((a.seqlen + rows_per_block - 1) / rows_per_block)));
-  // Programmatic dependent launch (launch_utils.cuh) in either mode: the blocks wait in wait_for_rows.
-  if (a.fragment_rows > 0) {
-    static PdlSupport pdl_bf16, pdl_fp16;
-    if (a.bf16)
-      launch_kernel(&bwd_dq_convert_fragments_kernel<__nv_bfloat16, kFragmentRows>, pdl_bf16, grid, dim3(kThreads),
-                    0, stream, 1, a);
-    else
-      launch_kernel(&bwd_dq_convert_fragments_kernel<__half, kFragmentRows>, pdl_fp16, grid, dim3(kThreads), 0,
-                    stream, 1, a);
-  } else {
-    static PdlSupport pdl_bf16, pdl_fp16;
-    if (a.bf16)
-      launch_kernel(&bwd_dq_convert_kernel<__nv_bfloat16>, pdl_bf16, grid, dim3(kThreads), 0, stream, 1, a);
-    else
-      launch_kernel(&bwd_dq_convert_kernel<__half>, pdl_fp16, grid, dim3(kThreads), 0, stream, 1, a);
-  }
+  // Programmatic dependent launch (launch_utils.cuh) in either mode: the blocks wait in wait_for_rows. One PDL check
+  // cache a kernel (fragment order x dtype).
+  using Kernel = void (*)(DqConvertArgs);
+  static const Kernel kernels[4] = {&bwd_dq_convert_kernel<__half>, &bwd_dq_convert_kernel<__nv_bfloat16>,
+                                    &bwd_dq_convert_fragments_kernel<__half, kFragmentRows>,
+                                    &bwd_dq_convert_fragments_kernel<__nv_bfloat16, kFragmentRows>};
+  static PdlSupport pdl[4];
+  const int which = (a.fragment_rows > 0 ? 2 : 0) + (a.bf16 ? 1 : 0);
+  launch_kernel(kernels[which], pdl[which], grid, dim3(kThreads), 0, stream, 1, a);
 }
 
 }  // namespace flashcore::cuda
