@@ -105,11 +105,14 @@ def main():
     ap.add_argument("--backends", default="flashcore,sdpa,fa4",
                     help="flashcore, flashcore@NAME=VALUE[+NAME=VALUE] (flashcore with switches set while its graph "
                          "is captured, e.g. flashcore@FLASHCORE_DECODE_TMA=0 for the cp.async loader), sdpa, fa4")
-    ap.add_argument("--num-splits", type=int, default=0, help="flashcore's num_splits (0: its heuristic)")
+    ap.add_argument("--num-splits", default="0",
+                    help="flashcore's num_splits (0: its heuristic); a comma list times each flashcore backend at "
+                         "every count, labelled /sN")
     args = ap.parse_args()
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     Hq, Hkv, D, Sq = args.heads, args.kv_heads, args.head_dim, args.new_tokens
     backends = args.backends.split(",")
+    split_counts = [int(x) for x in args.num_splits.split(",")]
     fa4 = None
     if "fa4" in backends:
         try:
@@ -125,21 +128,19 @@ def main():
         q = torch.randn(B, Sq, Hq, D, generator=gen).to("cuda", dtype)
         kv_bytes = 2 * int(lens.sum()) * Hkv * D * k.element_size()
         runs = {}
-        if "flashcore" in backends:
-            scale = D ** -0.5
-            runs["flashcore"] = lambda: kvcache_fwd(q, kc, vc, lens, table, None, None, scale, True, -1, -1, 0.0, None,
-                                                    None, args.num_splits)
-        for name in backends:  # flashcore@NAME=VALUE[,...]: flashcore with switches set while its graph is captured
-            if not name.startswith("flashcore@"):
+        scale = D ** -0.5
+        for name in backends:  # flashcore, or flashcore@NAME=VALUE[+...]: switches set while its graph is captured
+            if name != "flashcore" and not name.startswith("flashcore@"):
                 continue
-            env = switch_settings(name)
-            scale = D ** -0.5
+            env = switch_settings(name) if name != "flashcore" else {}
+            for splits in split_counts:
+                label = name if len(split_counts) == 1 else f"{name}/s{splits}"
 
-            def with_env(env=env, scale=scale):
-                with environment(env):
-                    return kvcache_fwd(q, kc, vc, lens, table, None, None, scale, True, -1, -1, 0.0, None, None,
-                                       args.num_splits)
-            runs[name] = with_env
+                def call(env=env, splits=splits):
+                    with environment(env):
+                        return kvcache_fwd(q, kc, vc, lens, table, None, None, scale, True, -1, -1, 0.0, None, None,
+                                           splits)
+                runs[label] = call
         if "sdpa" in backends and not page:
             qs = q.transpose(1, 2)
             ks, vs = k.transpose(1, 2), v.transpose(1, 2)

@@ -545,19 +545,37 @@ GPU_MODES = {  # B, Sq, Sn, cache lengths before the append: mixed, 0 and full (
 @pytest.mark.parametrize("page_size", [None, 16, 64, 256], ids=lambda p: f"page{p}" if p else "dense")
 @pytest.mark.parametrize("head_dim", GPU_DIMS)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("loader", ["default", "tma"])
+@pytest.mark.parametrize("loader", ["default", "tma", "stages3"])
 def test_kvcache_cuda(request, monkeypatch, mode, page_size, head_dim, dtype, loader):
     """Decode and chunked prefill against dense and paged caches, causal, with the append of the new tokens; the
     head configuration rotates over GQA 32/8, MQA 8/1 and MHA 4/4 so that each meets every mode. Each case runs
-    with the default K/V loader and with TMA forced wherever it can address the cache (Hopper; elsewhere the same
-    cp.async path twice)."""
-    if loader == "tma":
-        monkeypatch.setenv("FLASHCORE_DECODE_TMA", "1")
+    with the default K/V loader, with TMA forced wherever it can address the cache (Hopper; elsewhere the same
+    cp.async path twice) and with the cp.async loader's three-stage pipeline forced (where it fits)."""
+    set_loader(monkeypatch, loader)
     i = list(GPU_MODES).index(mode) + GPU_DIMS.index(head_dim)
     Hq, Hkv = GPU_HEADS[i % 3]
     inputs, kw = make_case(request, "cuda", dtype, Hq=Hq, Hkv=Hkv, D=head_dim, capacity=GPU_CAP,
                            page_size=page_size, causal=True, **GPU_MODES[mode])
     run_case(inputs, kw)
+    check_loader_ran(loader)
+
+
+def set_loader(monkeypatch, loader):
+    """The decode kernel's K/V loader for a test: "default" (decode_launch.cu's choice), "tma" (forced wherever
+    TMA can address the cache), "cp.async" (forced, its default stage count) or "stages3" (cp.async, three
+    stages)."""
+    if loader in ("tma", "cp.async", "stages3"):
+        monkeypatch.setenv("FLASHCORE_DECODE_TMA", "1" if loader == "tma" else "0")
+    if loader == "stages3":
+        monkeypatch.setenv("FLASHCORE_DECODE_STAGES", "3")
+
+
+def check_loader_ran(loader):
+    """On Hopper (every pipeline fits its shared memory) a forced three-stage pipeline is what the decode kernel
+    ran (the default's stage count depends on the memory's rate: decode_launch.cu)."""
+    ran = flashcore.last_kernel("fwd")
+    if loader == "stages3" and torch.cuda.get_device_capability() == (9, 0) and ran.startswith("decode"):
+        assert "stages3" in ran, ran
 
 
 GPU_VARIANTS = {  # on top of GQA 8/2, head dim 128, a paged cache of 16-row pages (dense with batch_idx), causal
@@ -715,7 +733,7 @@ def test_kvcache_cuda_graph(request, monkeypatch, page_size, loader):
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("loader", ["default", "tma", "cp.async"])
+@pytest.mark.parametrize("loader", ["default", "tma", "cp.async", "stages3"])
 @pytest.mark.parametrize("page_size", [None, 16, 48, 64, 256], ids=lambda p: f"page{p}" if p else "dense")
 @pytest.mark.parametrize("mode", ["decode", "chunk64", "chunk200", "prefill"])
 def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, mode):
@@ -723,8 +741,7 @@ def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, m
     reads whole tiles and pages, so the keys and values past each entry's length must never reach the output. Each
     loader: TMA (Hopper; loads what the cache holds, so the kernel zeroes V past the end) forced on every cache it
     can address, cp.async (zero-fills) forced, and the default choice between them."""
-    if loader != "default":
-        monkeypatch.setenv("FLASHCORE_DECODE_TMA", "1" if loader == "tma" else "0")
+    set_loader(monkeypatch, loader)
     m = dict(PREFILL_MODE if mode == "prefill" else GPU_MODES[mode], Sn=0)
     Hq, Hkv = PREFILL_HEADS if mode == "prefill" else (8, 2)
     inputs, kw = make_case(request, "cuda", torch.bfloat16, Hq=Hq, Hkv=Hkv, D=128, capacity=GPU_CAP,
@@ -743,9 +760,9 @@ def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, m
         assert ("varlen" in ran) == routed, ran
     elif "varlen" in ran:
         raise AssertionError(ran)
-    elif loader != "default" or page_size is None:  # a paged cache's default: TMA only on H200-class memory
-        want_tma = hopper and loader == "tma"
-        assert ("tma" in ran) == want_tma, ran
+    else:  # the default is the cp.async loader everywhere
+        assert ("tma" in ran) == (hopper and loader == "tma"), ran
+        check_loader_ran(loader)
 
 
 @pytest.mark.gpu

@@ -106,4 +106,12 @@ int decode_tma_forced() {
   return v[0] - '0';
 }
 
+int decode_stages_forced() {
+  const char* v = env("FLASHCORE_DECODE_STAGES");
+  if (v == nullptr) return 0;
+  TORCH_CHECK(std::strcmp(v, "2") == 0 || std::strcmp(v, "3") == 0,
+              "flashcore: FLASHCORE_DECODE_STAGES must be 2 or 3, got '", v, "'");
+  return v[0] - '0';
+}
+
 }  // namespace flashcore

@@ -32,7 +32,9 @@
 //                                               order, not longest first (A/B)
 //   FLASHCORE_DECODE_TMA=0|1                    the KV-cache kernel's loader on Hopper: 0 cp.async everywhere, 1 TMA
 //                                               wherever TMA can address the cache (default: decode_launch.cu's
-//                                               choice, TMA for paged caches where it measured faster)
+//                                               choice: cp.async)
+//   FLASHCORE_DECODE_STAGES=2|3                 the cp.async loader's K/V stages (default: decode_launch.cu's
+//                                               choice)
 #pragma once
 
 #include <string>
@@ -56,5 +58,6 @@ bool bwd_tma_epilogue_enabled();
 bool dq_convert_kernel_enabled();
 bool bwd_dq_overlap_enabled();
 int decode_tma_forced();      // -1 when not forced, else 0 or 1; throws on a malformed value
+int decode_stages_forced();   // 0 when not forced, else 2 or 3; throws on a malformed value
 
 }  // namespace flashcore

@@ -788,7 +788,8 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cuda(
     p.o_partial = o_partial.data_ptr<float>();
     p.lse_partial = lse_partial.data_ptr<float>();
   }
-  KernelTrace trace{plan.tma ? "decode tma" : "decode", plan.head_dim_tile, 0, plan.splits};
+  KernelTrace trace{plan.tma ? "decode tma" : plan.stages == 3 ? "decode stages3" : "decode", plan.head_dim_tile, 0,
+                    plan.splits};
   trace.longest_first = plan.longest_first;
   record_kernel(Pass::kFwd, trace);
   decode::launch_decode(p, plan, bf16, at::cuda::getCurrentCUDAStream());

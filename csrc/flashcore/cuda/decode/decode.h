@@ -17,17 +17,20 @@ struct DecodePlan {
   int splits = 1;          // key splits per (entry, kv head, row block)
   int smem_bytes = 0;
   bool tma = false;        // Hopper: K/V tiles loaded by TMA (decode_kernel.cuh), else by cp.async
+  int stages = 2;          // cp.async: K/V stages of the pipeline (2 or 3; the TMA loader sizes its own)
   int box_rows = 64;       // TMA: keys a box (a dense cache 64; a paged one a divisor of its page size)
   bool longest_first = false;  // blocks take batch entries longest first (decode steps of 2 .. kMaxRankedEntries
                                // entries whose grid has more than one wave)
 };
 
-// The kernel variant and the key splits of a call. The TMA loader is taken on Hopper (the kernel's code built for
-// sm_90, FLASHCORE_DECODE_TMA not 0) where TMA can address the caches: 16-byte strides and base, a dense cache of
-// at least 64 rows, a paged one with pages a multiple of 16 keys and no left pad (a box then never crosses a
-// page). `requested` > 0 forces the split count (flash-attn's
-// num_splits); 0 picks the smallest count whose grid fills the device's waves (every multiprocessor, by the
-// kernel's occupancy) within 10 % of the best, keeping at least 4 key tiles a split.
+// The kernel variant and the key splits of a call. The cp.async loader is the default everywhere; the TMA loader
+// (Hopper, the kernel's code built for sm_90) is taken only when FLASHCORE_DECODE_TMA=1 and TMA can address the
+// caches: 16-byte strides and base, a dense cache of at least 64 rows, a paged one with pages a multiple of 16 keys
+// and no left pad (a box then never crosses a page). `requested` > 0 forces the split count (flash-attn's
+// num_splits); 0 picks the smallest count whose grid fills the device's block slots within 10 % of the best,
+// keeping at least 4 key tiles a split. The slots an SM counts are the blocks it takes to stream at the memory's
+// full rate (decode_launch.cu: full_rate_blocks_per_sm), or every block the occupancy allows where a block's issue
+// rate binds (small pages, chunked prefill, TMA).
 DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cudaDeviceProp& prop);
 
 // Launches the kernel, and the combine kernel when p.num_splits > 1 (p.o_partial/p.lse_partial allocated).

@@ -9,7 +9,8 @@
 // m16 tile of rows and split each 64-key tile into 16-key quarters, merging their softmax states at the end; a
 // chunked prefill has many rows, so each warp owns 16 rows and walks the whole tile (the prefill kernels' layout).
 // Pipeline: kStages K/V stages; tiles i + 1 .. i + kStages - 1 stream in while tile i is computed, through one of
-// the two loaders of decode_loaders.cuh (cp.async on every arch, two stages; TMA on Hopper, ~96 KiB of stages).
+// the two loaders of decode_loaders.cuh (cp.async on every arch, two or three stages; TMA on Hopper, ~96 KiB of
+// stages).
 // Hazard: a stage is refilled only after the __syncthreads that ends the step that read it.
 #pragma once
 
@@ -33,7 +34,7 @@
 
 namespace flashcore::decode {
 
-template <int kHeadDim_, typename Element_, bool kRowsMode_, bool kTma_ = false>
+template <int kHeadDim_, typename Element_, bool kRowsMode_, bool kTma_ = false, int kCpAsyncStages_ = 2>
 struct DecodeTraits {
   using Element = Element_;
   static constexpr int kHeadDim = kHeadDim_;  // the tile: head dims up to it are zero-padded in shared memory
@@ -54,7 +55,10 @@ struct DecodeTraits {
   static constexpr int kStageElems = 2 * KVTile::kElems;  // K, then V
   static constexpr int kStagesForBytes = 98304 / (kStageElems * (int)sizeof(Element));  // TMA: ~96 KiB of stages
   // TMA: 3 stages at head dim 128 measured best (2 stages with 3 blocks an SM, or 4 with one, were slower).
-  static constexpr int kStages = !kTma ? 2 : kStagesForBytes < 2 ? 2 : kStagesForBytes > 4 ? 4 : kStagesForBytes;
+  // cp.async: kCpAsyncStages_ (2 or 3: decode.h's DecodePlan::stages).
+  static_assert(kCpAsyncStages_ == 2 || kCpAsyncStages_ == 3, "cp.async pipelines of 2 or 3 stages");
+  static constexpr int kStages =
+      !kTma ? kCpAsyncStages_ : kStagesForBytes < 2 ? 2 : kStagesForBytes > 4 ? 4 : kStagesForBytes;
   // The epilogue's merge buffers reuse the stages: per warp, 16 rows of O (float) and (max, sum) a row.
   static constexpr int kMergeBytes = 4 * 16 * kHeadDim * 4 + 4 * 16 * 2 * 4;
   static constexpr int kStageBytes = kStages * kStageElems * (int)sizeof(Element);

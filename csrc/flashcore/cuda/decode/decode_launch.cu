@@ -21,80 +21,81 @@ struct Variant {
   KernelFn kernel;
   int smem_bytes;
   int block_m;
+  int inflight_bytes;  // K/V bytes the pipeline keeps in flight: the stages ahead of the one computed
   std::atomic<uint64_t>* smem_configured;
   cuda::Sm90CodeCheck* sm90_code;  // whether its code on the device is sm_90 code (the TMA variant; PDL)
 };
 
-template <int kTile, typename Element, bool kRows, bool kTma>
+template <int kTile, typename Element, bool kRows, bool kTma, int kStages>
 Variant variant() {
-  using Traits = DecodeTraits<kTile, Element, kRows, kTma>;
+  using Traits = DecodeTraits<kTile, Element, kRows, kTma, kStages>;
   static std::atomic<uint64_t> configured{0};
   static cuda::Sm90CodeCheck sm90_code;
-  return Variant{&decode_kernel<Traits>, Traits::kSmemBytes, Traits::kBlockM, &configured, &sm90_code};
+  constexpr int kInflight = (Traits::kStages - 1) * Traits::kStageElems * (int)sizeof(Element);
+  return Variant{&decode_kernel<Traits>, Traits::kSmemBytes, Traits::kBlockM, kInflight, &configured, &sm90_code};
 }
 
-template <typename Element, bool kTma>
+template <typename Element, bool kTma, int kStages>
 Variant pick(int tile, bool rows) {
   switch (tile) {
-    case 64: return rows ? variant<64, Element, true, kTma>() : variant<64, Element, false, kTma>();
-    case 128: return rows ? variant<128, Element, true, kTma>() : variant<128, Element, false, kTma>();
-    default: return rows ? variant<256, Element, true, kTma>() : variant<256, Element, false, kTma>();
+    case 64: return rows ? variant<64, Element, true, kTma, kStages>() : variant<64, Element, false, kTma, kStages>();
+    case 128:
+      return rows ? variant<128, Element, true, kTma, kStages>() : variant<128, Element, false, kTma, kStages>();
+    default:
+      return rows ? variant<256, Element, true, kTma, kStages>() : variant<256, Element, false, kTma, kStages>();
   }
 }
 
-Variant pick(int tile, bool rows, bool bf16, bool tma) {
-  if (tma) return bf16 ? pick<__nv_bfloat16, true>(tile, rows) : pick<__half, true>(tile, rows);
-  return bf16 ? pick<__nv_bfloat16, false>(tile, rows) : pick<__half, false>(tile, rows);
+// The TMA loader sizes its own stages (DecodeTraits), so it has one variant per tile, dtype and layout.
+Variant pick(int tile, bool rows, bool bf16, bool tma, int stages) {
+  if (tma) return bf16 ? pick<__nv_bfloat16, true, 2>(tile, rows) : pick<__half, true, 2>(tile, rows);
+  if (stages == 3) return bf16 ? pick<__nv_bfloat16, false, 3>(tile, rows) : pick<__half, false, 3>(tile, rows);
+  return bf16 ? pick<__nv_bfloat16, false, 2>(tile, rows) : pick<__half, false, 2>(tile, rows);
 }
 
 // Whether the TMA variant's code on this device is sm_90 code (a build without sm_90a runs the sm_80 code, JIT or
 // not, where the variant is an empty kernel); cached per device.
 bool tma_code_built(const Variant& v) { return cuda::runs_sm90_code(v.kernel, *v.sm90_code); }
 
-// Whether the current device's memory is H200-class: peak DRAM bandwidth (double data rate x bus width) of
-// 4.5 TB/s or more; read once per device.
-bool h200_class_memory(const cudaDeviceProp& prop) {
-  static std::atomic<uint64_t> checked{0}, fast{0};
-  const uint64_t bit = cuda::current_device_bit();
-  if (bit != 0 && (checked.load(std::memory_order_acquire) & bit))
-    return (fast.load(std::memory_order_relaxed) & bit) != 0;
+// The device's peak DRAM bandwidth in bytes a second: double data rate x bus width.
+double peak_dram_bytes_per_s(const cudaDeviceProp& prop) {
   int device = 0, clock_khz = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
-  const bool is_fast = 2.0 * clock_khz * 1e3 * (prop.memoryBusWidth / 8.0) >= 4.5e12;
-  if (bit != 0) {
-    if (is_fast) fast.fetch_or(bit, std::memory_order_relaxed);
-    checked.fetch_or(bit, std::memory_order_acq_rel);
-  }
-  return is_fast;
+  return 2.0 * clock_khz * 1e3 * (prop.memoryBusWidth / 8.0);
 }
 
-// Keys a TMA box for the call's cache, or 0 where the TMA loader cannot serve it (DecodePlan) or is not chosen.
-// Chosen by default for paged caches where the memory is H200-class (peak 4.5 TB/s or more). Against the
-// cp.async loader (same process, decode_bench):
-//   H100: the cp.async loader is as fast or faster on every row (8 x 8k pages of 256: 98.5 vs 99.4 us, 1 x 128k
-//     pages of 256: 186.8 vs 191.3, pages of 16: 3-8 % faster), so never taken there;
-//   H200: 31-42 % faster with pages of 64-key multiples (75.7 vs 99.3 us; 142.8 vs 202.6) and 13-16 % with pages
-//     of 16 (86.7 vs 100.5; 155.4 vs 175.1) against the cp.async loader that read the page table a row at a time:
-//     it did not keep up with the H200's bandwidth;
-//   dense caches: 1-9 % slower on both, never taken.
-// FLASHCORE_DECODE_TMA=1 takes it wherever it can address the cache (the tests do), 0 never.
+// Blocks of the cp.async loader an SM needs to stream a dense cache (or pages of 64 keys or more) at the memory's
+// full rate, by Little's law: a block streams its bytes in flight over the loaded memory latency. The latency is
+// calibrated on an H200: one two-stage head-dim-128 block an SM (32 KiB in flight) streamed 3.60 TB/s over 132 SMs,
+// 27 GB/s a block, 1.2 us. So an H100 (3.35 TB/s peak) needs one such block an SM (8 x 8k, µs: 2 splits 93.4, 4
+// splits 95.7) and an H200 (4.9 TB/s) two (8 x 8k: 74.6 with one, 71.5 with two), or one of three stages (67.3;
+// SDPA 68.2 in the same run). Within 5 % of the peak counts as full: the copies' own ceiling is below it.
+int full_rate_blocks_per_sm(const cudaDeviceProp& prop, int inflight_bytes) {
+  constexpr double kLoadedLatencyS = 1.2e-6;
+  const double block_bytes_per_s = inflight_bytes / kLoadedLatencyS;
+  const double need = 0.95 * peak_dram_bytes_per_s(prop) / (block_bytes_per_s * prop.multiProcessorCount);
+  return std::max(1, (int)std::ceil(need));
+}
+
+// Keys a TMA box for the call's cache, or 0 where the TMA loader cannot serve it (DecodePlan) or is not asked for
+// (FLASHCORE_DECODE_TMA=1; the tests take it so). The cp.async loader is as fast or faster on every row measured:
+//   H100 (decode_bench, same process): 8 x 8k pages of 256 98.5 vs 99.4 us, 1 x 128k pages of 256 186.8 vs 191.3,
+//     pages of 16 3-8 % faster, dense caches 1-9 %;
+//   H200 (one sweep of loaders and split counts, each loader at its best count): 8 x 8k 69.3 vs 71.2 us, pages of
+//     16 71.2 vs 79.3, pages of 256 70.3 vs 74.8, 64 x 1k..2k pages of 16 105.8 vs 114.9, 1 x 128k 130.0 vs 133.4,
+//     pages of 256 129.3 vs 140.8.
 int tma_box_rows(const DecodeParams& p, const cudaDeviceProp& prop) {
-  const int forced = decode_tma_forced();
-  if (prop.major != 9 || forced == 0) return 0;
+  if (prop.major != 9 || decode_tma_forced() != 1) return 0;
   const FwdParams& f = p.f;
   const int64_t extent = p.kv.rows_per_cache_row();
   if (!sm90::tma_compatible(f.k, f.k_stride, p.kv.cache_rows, f.heads_kv, extent) ||
       !sm90::tma_compatible(f.v, f.v_stride, p.kv.cache_rows, f.heads_kv, extent))
     return 0;
-  int box = 0;
-  if (!p.kv.paged()) {
-    box = extent >= 64 ? 64 : 0;
-  } else if (p.kv.cache_leftpad == nullptr && extent % 16 == 0) {
-    box = (int)std::min<int64_t>(64, extent & -extent);  // the page size's largest power-of-two divisor
-  }
-  if (forced == 1 || box == 0) return box;
-  return p.kv.paged() && h200_class_memory(prop) ? box : 0;
+  if (!p.kv.paged()) return extent >= 64 ? 64 : 0;
+  if (p.kv.cache_leftpad == nullptr && extent % 16 == 0)
+    return (int)std::min<int64_t>(64, extent & -extent);  // the page size's largest power-of-two divisor
+  return 0;
 }
 
 }  // namespace
@@ -106,9 +107,27 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   const int64_t rows = p.f.seqlen_q * p.f.group;
   plan.rows_mode = rows > 16;
   plan.box_rows = tma_box_rows(p, prop);
-  plan.tma = plan.box_rows > 0 && tma_code_built(pick(plan.head_dim_tile, plan.rows_mode, bf16, true));
+  plan.tma = plan.box_rows > 0 && tma_code_built(pick(plan.head_dim_tile, plan.rows_mode, bf16, true, 2));
   if (!plan.tma) plan.box_rows = 64;
-  const Variant v = pick(plan.head_dim_tile, plan.rows_mode, bf16, plan.tma);
+  // A decode step's block streams a dense cache or pages of 64 keys or more through the cp.async loader at a rate
+  // set by its bytes in flight (full_rate_blocks_per_sm). Where two stages would take more than one block an SM to
+  // reach the memory's rate, a dense cache takes a third stage if it fits: one block of three stages an SM measured
+  // faster than two of two (H200, µs: 8 x 8k 67.3 vs 71.5, 1 x 128k 127.7 vs 131.4; 64 x 2k, a grid of several
+  // waves, 130.5 vs 129.6). Paged caches keep two stages and take more blocks: a block's page lookups slow its
+  // stream (1 x 128k pages of 256: 145.3 with one three-stage block an SM, 130.3 with two of two stages; 8 x 8k
+  // pages of 256 71.3 vs 71.8, pages of 16 72.9 vs 71.8).
+  const bool streams_at_own_rate = !plan.rows_mode && !plan.tma && (!p.kv.paged() || p.kv.page_size >= 64);
+  const int forced_stages = decode_stages_forced();
+  auto three_fit = [&] {
+    return pick(plan.head_dim_tile, plan.rows_mode, bf16, false, 3).smem_bytes <= (int)prop.sharedMemPerBlockOptin;
+  };
+  if (!plan.tma && forced_stages == 3 && three_fit()) {
+    plan.stages = 3;
+  } else if (streams_at_own_rate && !p.kv.paged() && forced_stages == 0 && three_fit()) {
+    const Variant two = pick(plan.head_dim_tile, plan.rows_mode, bf16, false, 2);
+    if (full_rate_blocks_per_sm(prop, two.inflight_bytes) > 1) plan.stages = 3;
+  }
+  const Variant v = pick(plan.head_dim_tile, plan.rows_mode, bf16, plan.tma, plan.stages);
   plan.smem_bytes = v.smem_bytes;
   TORCH_CHECK(v.smem_bytes <= (int)prop.sharedMemPerBlockOptin, "flashcore: the KV-cache kernel for head_dim ", D,
               (plan.rows_mode ? " with more than 16 query rows per kv head" : ""), " needs ", v.smem_bytes / 1024,
@@ -132,15 +151,16 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
     set_order();
     return plan;
   }
-  // Block slots of a wave. A decode step's block streams a dense cache or pages of 64 keys or more through the
-  // cp.async loader at full rate alone on an SM, so its grid counts one slot an SM and takes the fewest splits
-  // (fewer partials to merge; H100, µs: 8 x 8k 93.5 with 2 splits vs 96.3 with 4, pages of 256 95.8 vs 97.6,
-  // 1 x 128k 180.5 with 16 vs 189.1 with 30). Smaller pages cost a block more issue work per byte, so their grid
-  // (and the TMA loader's, and a chunked prefill's) fills every slot the occupancy allows (8 x 8k pages of 16:
-  // 98.5 with 4 splits vs 100.8 with 2).
-  const bool alone_at_full_rate =
-      !plan.rows_mode && !plan.tma && (!p.kv.paged() || p.kv.page_size >= 64);
-  const double slots = (alone_at_full_rate ? 1 : std::max(1, per_sm)) * (double)prop.multiProcessorCount;
+  // Block slots of a wave: a decode step streaming at its own rate counts the blocks an SM needs for the memory's
+  // full rate (or fewer, where the occupancy allows fewer) and takes the fewest splits that fill them (fewer
+  // partials to merge; H100, µs: 8 x 8k 93.5 with 2 splits vs 96.3 with 4, pages of 256 95.8 vs 97.6, 1 x 128k
+  // 180.5 with 16 vs 189.1 with 30). Smaller pages cost a block more issue work per byte, so their grid (and the
+  // TMA loader's, and a chunked prefill's) fills every slot the occupancy allows (H100, 8 x 8k pages of 16: 98.5
+  // with 4 splits vs 100.8 with 2).
+  const int occupancy = std::max(1, per_sm);
+  const int slots_per_sm =
+      streams_at_own_rate ? std::min(occupancy, full_rate_blocks_per_sm(prop, v.inflight_bytes)) : occupancy;
+  const double slots = (double)slots_per_sm * prop.multiProcessorCount;
   const int64_t tiles = (p.kv.capacity + 63) / 64;  // of the longest possible entry
   // Splits of at least 4 tiles, a bounded workspace (num_splits x rows x head_dim floats), at most 128.
   const double rows_total = (double)p.f.batch * p.f.heads_q * p.f.seqlen_q;
@@ -162,7 +182,7 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
 }
 
 void launch_decode(const DecodeParams& p, const DecodePlan& plan, bool bf16, cudaStream_t stream) {
-  const Variant v = pick(plan.head_dim_tile, plan.rows_mode, bf16, plan.tma);
+  const Variant v = pick(plan.head_dim_tile, plan.rows_mode, bf16, plan.tma, plan.stages);
   cuda::set_max_dynamic_smem_once(v.kernel, v.smem_bytes, *v.smem_configured);
   DecodeTmaMaps maps{};
   if (plan.tma) {
