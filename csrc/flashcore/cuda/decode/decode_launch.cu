@@ -71,11 +71,31 @@ double peak_dram_bytes_per_s(const cudaDeviceProp& prop) {
 // 27 GB/s a block, 1.2 us. So an H100 (3.35 TB/s peak) needs one such block an SM (8 x 8k, µs: 2 splits 93.4, 4
 // splits 95.7) and an H200 (4.9 TB/s) two (8 x 8k: 74.6 with one, 71.5 with two), or one of three stages (67.3;
 // SDPA 68.2 in the same run). Within 5 % of the peak counts as full: the copies' own ceiling is below it.
-int full_rate_blocks_per_sm(const cudaDeviceProp& prop, int inflight_bytes) {
+int full_rate_blocks_per_sm(const cudaDeviceProp& prop, double peak_bytes_per_s, int inflight_bytes) {
   constexpr double kLoadedLatencyS = 1.2e-6;
   const double block_bytes_per_s = inflight_bytes / kLoadedLatencyS;
-  const double need = 0.95 * peak_dram_bytes_per_s(prop) / (block_bytes_per_s * prop.multiProcessorCount);
+  const double need = 0.95 * peak_bytes_per_s / (block_bytes_per_s * prop.multiProcessorCount);
   return std::max(1, (int)std::ceil(need));
+}
+
+// The cp.async loader's stages for a call (DecodePlan::stages; the TMA loader sizes its own). A decode step's block
+// streams a dense cache or pages of 64 keys or more at a rate set by its bytes in flight (full_rate_blocks_per_sm).
+// Where two stages would take more than one block an SM to reach the memory's rate, a dense cache takes a third
+// stage if it fits: one block of three stages an SM measured faster than two of two (H200, µs: 8 x 8k 67.3 vs
+// 71.5, 1 x 128k 127.7 vs 131.4; 64 x 2k, a grid of several waves, 130.5 vs 129.6). Paged caches keep two stages
+// and take more blocks: a block's page lookups slow its stream (1 x 128k pages of 256: 145.3 with one three-stage
+// block an SM, 130.3 with two of two stages; 8 x 8k pages of 256 71.3 vs 71.8, pages of 16 72.9 vs 71.8).
+// FLASHCORE_DECODE_STAGES forces the count (three only where it fits).
+int cp_async_stages(const DecodeParams& p, const DecodePlan& plan, bool bf16, const cudaDeviceProp& prop,
+                    bool streams_at_own_rate, double peak_bytes_per_s) {
+  if (plan.tma) return 2;
+  const bool three_fit =
+      pick(plan.head_dim_tile, plan.rows_mode, bf16, false, 3).smem_bytes <= (int)prop.sharedMemPerBlockOptin;
+  const int forced = decode_stages_forced();
+  if (forced != 0) return forced == 3 && three_fit ? 3 : 2;
+  if (!streams_at_own_rate || p.kv.paged() || !three_fit) return 2;
+  const Variant two = pick(plan.head_dim_tile, plan.rows_mode, bf16, false, 2);
+  return full_rate_blocks_per_sm(prop, peak_bytes_per_s, two.inflight_bytes) > 1 ? 3 : 2;
 }
 
 // Keys a TMA box for the call's cache, or 0 where the TMA loader cannot serve it (DecodePlan) or is not asked for
@@ -109,24 +129,11 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   plan.box_rows = tma_box_rows(p, prop);
   plan.tma = plan.box_rows > 0 && tma_code_built(pick(plan.head_dim_tile, plan.rows_mode, bf16, true, 2));
   if (!plan.tma) plan.box_rows = 64;
-  // A decode step's block streams a dense cache or pages of 64 keys or more through the cp.async loader at a rate
-  // set by its bytes in flight (full_rate_blocks_per_sm). Where two stages would take more than one block an SM to
-  // reach the memory's rate, a dense cache takes a third stage if it fits: one block of three stages an SM measured
-  // faster than two of two (H200, µs: 8 x 8k 67.3 vs 71.5, 1 x 128k 127.7 vs 131.4; 64 x 2k, a grid of several
-  // waves, 130.5 vs 129.6). Paged caches keep two stages and take more blocks: a block's page lookups slow its
-  // stream (1 x 128k pages of 256: 145.3 with one three-stage block an SM, 130.3 with two of two stages; 8 x 8k
-  // pages of 256 71.3 vs 71.8, pages of 16 72.9 vs 71.8).
+  // A decode step through the cp.async loader (dense cache or pages of 64+ keys) streams at a rate its bytes in
+  // flight set; its stages and slots follow the memory's peak, read once here.
   const bool streams_at_own_rate = !plan.rows_mode && !plan.tma && (!p.kv.paged() || p.kv.page_size >= 64);
-  const int forced_stages = decode_stages_forced();
-  auto three_fit = [&] {
-    return pick(plan.head_dim_tile, plan.rows_mode, bf16, false, 3).smem_bytes <= (int)prop.sharedMemPerBlockOptin;
-  };
-  if (!plan.tma && forced_stages == 3 && three_fit()) {
-    plan.stages = 3;
-  } else if (streams_at_own_rate && !p.kv.paged() && forced_stages == 0 && three_fit()) {
-    const Variant two = pick(plan.head_dim_tile, plan.rows_mode, bf16, false, 2);
-    if (full_rate_blocks_per_sm(prop, two.inflight_bytes) > 1) plan.stages = 3;
-  }
+  const double peak = streams_at_own_rate ? peak_dram_bytes_per_s(prop) : 0.0;
+  plan.stages = cp_async_stages(p, plan, bf16, prop, streams_at_own_rate, peak);
   const Variant v = pick(plan.head_dim_tile, plan.rows_mode, bf16, plan.tma, plan.stages);
   plan.smem_bytes = v.smem_bytes;
   TORCH_CHECK(v.smem_bytes <= (int)prop.sharedMemPerBlockOptin, "flashcore: the KV-cache kernel for head_dim ", D,
@@ -159,7 +166,7 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   // with 4 splits vs 100.8 with 2).
   const int occupancy = std::max(1, per_sm);
   const int slots_per_sm =
-      streams_at_own_rate ? std::min(occupancy, full_rate_blocks_per_sm(prop, v.inflight_bytes)) : occupancy;
+      streams_at_own_rate ? std::min(occupancy, full_rate_blocks_per_sm(prop, peak, v.inflight_bytes)) : occupancy;
   const double slots = (double)slots_per_sm * prop.multiProcessorCount;
   const int64_t tiles = (p.kv.capacity + 63) / 64;  // of the longest possible entry
   // Splits of at least 4 tiles, a bounded workspace (num_splits x rows x head_dim floats), at most 128.
