@@ -787,8 +787,26 @@ def test_kvcache_prefill_bad_pages_stay_in_bounds_cuda(request, page_size):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("page_size", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("variant", ["plain", "softcap", "alibi"])
+def test_kvcache_tile_aligned_pages_cuda(request, page_size, head_dim, variant):
+    """Pages of whole 64-key tiles: an entry whose left pad is a multiple of 64 reads each tile as consecutive rows
+    of one page (the cp.async loader's strided copies), one whose pad is not gathers its rows through the table;
+    lengths end inside a tile, on a tile edge and on a page edge; several splits cross pages."""
+    lens = [1000, 64 + 128, 900, 769, page_size + 64, 2 * page_size]
+    leftpad = [0, 64, 5, 3 * 64, 64, 63]
+    inputs, kw = make_case(request, "cuda", torch.bfloat16, B=len(lens), Sq=1, Hq=32, Hkv=8, D=head_dim,
+                           capacity=1024, lens=lens, leftpad=leftpad, page_size=page_size, causal=True,
+                           softcap=30.0 if variant == "softcap" else 0.0, alibi="head" if variant == "alibi" else None)
+    for splits in (1, 3):
+        run_case(inputs, dict(kw, num_splits=splits))
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("append", [False, True])
-@pytest.mark.parametrize("page_size", [None, 16])
+@pytest.mark.parametrize("page_size", [None, 16, 64])
 def test_kvcache_bad_indices_stay_in_bounds_cuda(request, append, page_size):
     """cache_seqlens past the capacity or negative, page ids out of range, cache_batch_idx out of range, left pads
     past the length or negative: nothing is read or written outside the tensors (compute-sanitizer runs this test
@@ -803,7 +821,7 @@ def test_kvcache_bad_indices_stay_in_bounds_cuda(request, append, page_size):
         call = dict(kw, cache_seqlens=i32(lens), cache_leftpad=i32([70, -3, 5, 2**31 - 1]))
         if page_size:
             bt = call["block_table"].clone()
-            bt[0, 0], bt[1, -1], bt[2, 1], bt[3, 0] = -1, 10**6, 2**31 - 1, -2**31
+            bt[0, 0], bt[1, -1], bt[2, -1], bt[3, 0] = -1, 10**6, 2**31 - 1, -2**31
             call["block_table"] = bt
         else:
             call["cache_batch_idx"] = i32([-1, B + 100, 0, 2**31 - 1])

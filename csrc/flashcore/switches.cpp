@@ -106,6 +106,16 @@ int decode_tma_forced() {
   return v[0] - '0';
 }
 
+int decode_blocks_per_sm_forced() {
+  const char* v = env("FLASHCORE_DECODE_BLOCKS_PER_SM");
+  if (v == nullptr) return 0;
+  char* end = nullptr;
+  const long n = std::strtol(v, &end, 10);
+  TORCH_CHECK(end != v && *end == '\0' && n >= 1 && n <= 64,
+              "flashcore: FLASHCORE_DECODE_BLOCKS_PER_SM must be an integer from 1 to 64, got '", v, "'");
+  return (int)n;
+}
+
 int decode_stages_forced() {
   const char* v = env("FLASHCORE_DECODE_STAGES");
   if (v == nullptr) return 0;

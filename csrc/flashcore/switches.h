@@ -35,6 +35,8 @@
 //                                               choice: cp.async)
 //   FLASHCORE_DECODE_STAGES=2|3                 the cp.async loader's K/V stages (default: decode_launch.cu's
 //                                               choice)
+//   FLASHCORE_DECODE_BLOCKS_PER_SM=N            a decode step's blocks resident an SM (N >= 1, at most what fits;
+//                                               default: decode_launch.cu's choice)
 #pragma once
 
 #include <string>
@@ -59,5 +61,6 @@ bool dq_convert_kernel_enabled();
 bool bwd_dq_overlap_enabled();
 int decode_tma_forced();      // -1 when not forced, else 0 or 1; throws on a malformed value
 int decode_stages_forced();   // 0 when not forced, else 2 or 3; throws on a malformed value
+int decode_blocks_per_sm_forced();  // 0 when not forced, else >= 1; throws on a malformed value
 
 }  // namespace flashcore

@@ -15,7 +15,7 @@ struct DecodePlan {
   bool rows_mode = false;  // more than 16 packed query rows per (entry, kv head): warps own rows, not key quarters
   int m_blocks = 0;        // blocks of packed query rows
   int splits = 1;          // key splits per (entry, kv head, row block)
-  int smem_bytes = 0;
+  int smem_bytes = 0;      // the launch's dynamic shared memory: the variant's, or more to cap blocks an SM
   bool tma = false;        // Hopper: K/V tiles loaded by TMA (decode_kernel.cuh), else by cp.async
   int stages = 2;          // cp.async: K/V stages of the pipeline (2 or 3; the TMA loader sizes its own)
   int box_rows = 64;       // TMA: keys a box (a dense cache 64; a paged one a divisor of its page size)

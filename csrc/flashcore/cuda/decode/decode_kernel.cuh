@@ -332,6 +332,10 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
                         : 0.f;
   }
   const bool softcap = f.score.softcap > 0.f, alibi = f.score.alibi_slopes != nullptr;
+  // Scores that need only the scale (positive: OnlineSoftmax folds it into its exp2) on unmasked tiles skip the
+  // per-score transform; the compiler had turned its softcap, ALiBi and mask branches into predicated code that
+  // every tile ran (~90 instructions a warp a tile; docs/PERFORMANCE.md).
+  const bool plain_scores = !softcap && !alibi && f.scale_log2 > 0.f;
   const int alibi_offset = seqlen_k - seqlen_q;
   // The band in 32 bits (clamped: |j - i| < 2^31 here) and the tiles every row of the block sees whole.
   const int band_lo = (int)Band::max64(band.lo, -(int64_t(1) << 31) + 1);
@@ -413,24 +417,29 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
     float s[1][kNTiles][4];
     sm80::gemm_qk<QTile, KVTile, 1, kNTiles, kKSteps, /*kQInRegs=*/true>(s, q_regs, sQ, sK, wm * 16, lane, a_off,
                                                                          b_off);
-    // Logits in log2 units (scale, softcap, ALiBi: score_mod.h), then the mask (mask.h) in the entry's positions.
-    const int col0 = t * kBlockN + wn * Traits::kWarpKeys + 2 * (lane & 3);
-    const bool mask_tile = !unmasked.contains(t);  // uniform: most tiles of a long cache skip the mask
-#pragma unroll
-    for (int ni = 0; ni < kNTiles; ++ni)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int h = e >> 1, j = col0 + ni * 8 + (e & 1);
-        const int d = j - pos_of[h];
-        float x = softcap ? f.score.softcap_log2 * ptx::tanh_approx(s[0][ni][e] * f.score.softcap_inv)
-                          : s[0][ni][e] * f.scale_log2;
-        if (alibi) x = fmaf(-alibi_log2[h], fabsf((float)(d - alibi_offset)), x);
-        if (mask_tile && !(j < seqlen_k && d >= band_lo && d <= band_hi)) x = -INFINITY;
-        s[0][ni][e] = x;
-      }
     float correction[2];
+    bool moved;
+    if (plain_scores && unmasked.contains(t)) {  // block-uniform: most tiles of a long cache
+      moved = softmax.step(s, f.scale_log2, correction);  // the scale folded into the exp2's FFMA
+    } else {
+      // Logits in log2 units (scale, softcap, ALiBi: score_mod.h), then the mask (mask.h) in the entry's positions.
+      const int col0 = t * kBlockN + wn * Traits::kWarpKeys + 2 * (lane & 3);
+      const bool mask_tile = !unmasked.contains(t);
+#pragma unroll
+      for (int ni = 0; ni < kNTiles; ++ni)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int h = e >> 1, j = col0 + ni * 8 + (e & 1);
+          const int d = j - pos_of[h];
+          float x = softcap ? f.score.softcap_log2 * ptx::tanh_approx(s[0][ni][e] * f.score.softcap_inv)
+                            : s[0][ni][e] * f.scale_log2;
+          if (alibi) x = fmaf(-alibi_log2[h], fabsf((float)(d - alibi_offset)), x);
+          if (mask_tile && !(j < seqlen_k && d >= band_lo && d <= band_hi)) x = -INFINITY;
+          s[0][ni][e] = x;
+        }
+      moved = softmax.step(s, 1.f, correction);
+    }
     // The deferred rescale: a decode row's max settles within a few tiles, after which the O multiplies are skipped.
-    const bool moved = softmax.step(s, 1.f, correction);
     softmax.rescale(o, correction, moved);
     sm80::gemm_pv<KVTile, 1, kNTiles, kDTiles>(o, s, sV, lane, a_off);
     __syncthreads();  // every warp is done with this stage before the next step refills it

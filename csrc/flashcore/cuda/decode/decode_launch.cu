@@ -98,6 +98,23 @@ int cp_async_stages(const DecodeParams& p, const DecodePlan& plan, bool bf16, co
   return full_rate_blocks_per_sm(prop, peak_bytes_per_s, two.inflight_bytes) > 1 ? 3 : 2;
 }
 
+// Blocks an SM runs of a decode step that gathers its rows through the page table (pages of fewer than 64 keys:
+// a lookup and shuffles a row), whatever more the occupancy would allow. H100, 8 x 8k pages of 16: 98.5 us with 4
+// splits (two blocks an SM) vs 100.8 with 2 (one); H200, where the lighter step fits three: 8 x 8k pages of 16 68.9
+// with 4 splits vs 71.9 with 6 (three an SM), 64 x 1k..2k pages of 16 105.1 at two an SM vs 112.7 at three.
+constexpr int kGatherBlocksPerSm = 2;
+
+// Dynamic shared memory to launch variant v with so that no more than `blocks` blocks fit on an SM (the kernel uses
+// v.smem_bytes of it; the rest only caps residency): blocks + 1 blocks would need more than the SM has. The static
+// shared memory (entry_of_rank's ranks, ~1 KiB) is left out of that sum, which only keeps the cap safe, and bounds
+// the dynamic part from above (the two together may not pass the opt-in).
+constexpr int kStaticSmemBound = (int)sizeof(int) * (kMaxRankedEntries + 1) + 64;
+int residency_capped_smem(const Variant& v, int blocks, const cudaDeviceProp& prop) {
+  const int per_block = (int)(prop.sharedMemPerMultiprocessor / (blocks + 1)) + 1;
+  const int dynamic = per_block - (int)prop.reservedSharedMemPerBlock;
+  return std::max(v.smem_bytes, std::min(dynamic, (int)prop.sharedMemPerBlockOptin - kStaticSmemBound));
+}
+
 // Keys a TMA box for the call's cache, or 0 where the TMA loader cannot serve it (DecodePlan) or is not asked for
 // (FLASHCORE_DECODE_TMA=1; the tests take it so). The cp.async loader is as fast or faster on every row measured:
 //   H100 (decode_bench, same process): 8 x 8k pages of 256 98.5 vs 99.4 us, 1 x 128k pages of 256 186.8 vs 191.3,
@@ -143,30 +160,44 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   TORCH_CHECK(plan.m_blocks <= 65535, "flashcore: seqlen_q x (heads_q / heads_kv) = ", rows,
               " query rows per kv head exceed the KV-cache kernel's grid");
   int per_sm = 0;
-  cuda::set_max_dynamic_smem_once(v.kernel, v.smem_bytes, *v.smem_configured);
+  // The largest padding (one block an SM) is allowed, so that a launch may cap residency (below).
+  cuda::set_max_dynamic_smem_once(v.kernel, std::max(v.smem_bytes, residency_capped_smem(v, 1, prop)),
+                                  *v.smem_configured);
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, v.kernel, 128, v.smem_bytes));
   const double blocks = (double)p.f.batch * p.f.heads_kv * plan.m_blocks;
   // Longest entries first (decode_kernel.cuh) where blocks wait for slots; a grid of one wave starts every block
   // at once and would only pay for the ranking.
+  int resident = 0;  // blocks an SM runs (set below)
   auto set_order = [&] {
     plan.longest_first = !plan.rows_mode && p.f.batch > 1 && p.f.batch <= kMaxRankedEntries &&
                          decode_longest_first_enabled() &&
-                         blocks * plan.splits > (double)std::max(1, per_sm) * prop.multiProcessorCount;
+                         blocks * plan.splits > (double)resident * prop.multiProcessorCount;
   };
+  // Block slots of a wave: a decode step streaming at its own rate counts the blocks an SM needs for the memory's
+  // full rate (or fewer, where the occupancy allows fewer) and takes the fewest splits that fill them (fewer
+  // partials to merge; H100, µs: 8 x 8k 93.5 with 2 splits vs 96.3 with 4, pages of 256 95.8 vs 97.6, 1 x 128k
+  // 180.5 with 16 vs 189.1 with 30). A decode step through small pages counts kGatherBlocksPerSm; the TMA loader
+  // and a chunked prefill fill every slot the occupancy allows.
+  const int occupancy = std::max(1, per_sm);
+  const bool decode_step = !plan.rows_mode && !plan.tma;
+  int slots_per_sm = occupancy;
+  if (decode_step && streams_at_own_rate)
+    slots_per_sm = std::min(occupancy, full_rate_blocks_per_sm(prop, peak, v.inflight_bytes));
+  else if (decode_step)
+    slots_per_sm = std::min(occupancy, kGatherBlocksPerSm);
+  // Residency: a decode step's SM runs at most two blocks or its slots, whichever is more; the split model's waves
+  // are then the hardware's (a third block an SM left the last wave a few blocks wide: 64 x 2k at head dim 64,
+  // 512 blocks over 396 slots; a second one keeps a block's first loads and its merge under the other's stream).
+  resident = decode_step ? std::max(2, slots_per_sm) : occupancy;
+  if (const int forced = decode_blocks_per_sm_forced(); forced > 0 && decode_step) resident = slots_per_sm = forced;
+  resident = std::min(resident, occupancy);
+  slots_per_sm = std::min(slots_per_sm, resident);
+  if (resident < occupancy) plan.smem_bytes = residency_capped_smem(v, resident, prop);
   if (requested > 0) {
     plan.splits = requested;
     set_order();
     return plan;
   }
-  // Block slots of a wave: a decode step streaming at its own rate counts the blocks an SM needs for the memory's
-  // full rate (or fewer, where the occupancy allows fewer) and takes the fewest splits that fill them (fewer
-  // partials to merge; H100, µs: 8 x 8k 93.5 with 2 splits vs 96.3 with 4, pages of 256 95.8 vs 97.6, 1 x 128k
-  // 180.5 with 16 vs 189.1 with 30). Smaller pages cost a block more issue work per byte, so their grid (and the
-  // TMA loader's, and a chunked prefill's) fills every slot the occupancy allows (H100, 8 x 8k pages of 16: 98.5
-  // with 4 splits vs 100.8 with 2).
-  const int occupancy = std::max(1, per_sm);
-  const int slots_per_sm =
-      streams_at_own_rate ? std::min(occupancy, full_rate_blocks_per_sm(prop, peak, v.inflight_bytes)) : occupancy;
   const double slots = (double)slots_per_sm * prop.multiProcessorCount;
   const int64_t tiles = (p.kv.capacity + 63) / 64;  // of the longest possible entry
   // Splits of at least 4 tiles, a bounded workspace (num_splits x rows x head_dim floats), at most 128.
@@ -190,7 +221,7 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
 
 void launch_decode(const DecodeParams& p, const DecodePlan& plan, bool bf16, cudaStream_t stream) {
   const Variant v = pick(plan.head_dim_tile, plan.rows_mode, bf16, plan.tma, plan.stages);
-  cuda::set_max_dynamic_smem_once(v.kernel, v.smem_bytes, *v.smem_configured);
+  cuda::set_max_dynamic_smem_once(v.kernel, plan.smem_bytes, *v.smem_configured);  // plan_decode allowed more
   DecodeTmaMaps maps{};
   if (plan.tma) {
     const FwdParams& f = p.f;
@@ -204,7 +235,7 @@ void launch_decode(const DecodeParams& p, const DecodePlan& plan, bool bf16, cud
   // Both kernels with programmatic dependent launch where their code is sm_90 (launch_utils.cuh): a kernel's blocks
   // become resident while the previous kernel of the stream finishes, and wait for it before reading anything.
   const dim3 grid((unsigned)(p.f.batch * p.f.heads_kv), (unsigned)p.num_splits, (unsigned)plan.m_blocks);
-  cuda::launch_kernel(v.kernel, *v.sm90_code, grid, dim3(128), v.smem_bytes, stream, 1, p, maps);
+  cuda::launch_kernel(v.kernel, *v.sm90_code, grid, dim3(128), plan.smem_bytes, stream, 1, p, maps);
   if (p.num_splits > 1) {
     const unsigned blocks = (unsigned)((p.f.batch * p.f.heads_q * p.f.seqlen_q + 3) / 4);
     static cuda::PdlSupport pdl_bf16, pdl_fp16;

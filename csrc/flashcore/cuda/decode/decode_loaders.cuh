@@ -5,8 +5,9 @@
 // so that a paged cache's block-table reads are in flight during a tile's computation instead of stalling the
 // copies that need them. Page numbers read from the block table are not trusted: the cp.async loader clamps them
 // into the cache, the TMA loader lets TMA zero-fill what lies outside it.
-//   CpAsyncLoader (every arch): each thread copies 16-byte chunks of kBlockN / kRowStep rows; rows are gathered
-//     through the page table one lookup a row (a lane each), so a page may hold any number of keys.
+//   CpAsyncLoader (every arch): each thread copies 16-byte chunks of kBlockN / kRowStep rows: one stride apart
+//     where a tile is consecutive rows of one cache row or page (dense caches, pages of whole tiles), otherwise
+//     gathered through the page table one lookup a row (a lane each), so a page may hold any number of keys.
 //   TmaLoader (Hopper): thread 0 loads a tile as boxes of 64 columns x box_rows keys into the same swizzled layout
 //     (SmemTile's 128-byte rows are TMA's 128-byte swizzle) and signals the stage's mbarrier. A box never crosses a
 //     page (box_rows divides the page size; the host takes this loader only without a left pad, so the sequence
@@ -57,10 +58,15 @@ struct CpAsyncLoader {
   const int c, r0;
   const bool col_ok;
   const int dst0;  // byte offset of (r0, c) in a stage's K tile
-  // A warp's threads copy 16 rows of a tile (kRowsPerStep rows r0 at each of kRowsPerThread steps). Paged: lane
-  // l < 16 looks up row l of them (locate: one block-table read and divide a lane, not one a row) and load() hands
-  // each thread its rows' addresses by shuffles. The page stays raw until then, so no thread waits for the read
-  // during the tile it is issued in.
+  // Strided tiles: a tile's keys are consecutive rows of one cache row (a dense cache) or of one page (pages of a
+  // multiple of kBlockN keys, the sequence starting on a tile boundary of its first page), so a thread's rows lie
+  // kRowStep rows apart from one address: no per-row lookup, predicate or 64-bit multiply (the gather below cost
+  // the step ~150 instructions a warp; docs/PERFORMANCE.md). Block-uniform.
+  const bool strided;
+  // A warp's threads copy 16 rows of a tile (kRowsPerStep rows r0 at each of kRowsPerThread steps). Paged, not
+  // strided: lane l < 16 looks up row l of them (locate: one block-table read and divide a lane, not one a row)
+  // and load() hands each thread its rows' addresses by shuffles. Paged and strided: every lane reads the tile's
+  // one page. The page stays raw until load(), so no thread waits for the read during the tile it is issued in.
   static constexpr int kRowsPerStep = 32 / kCpr;
   static_assert(kRowsPerStep * kRowsPerThread == 16, "16 rows a warp");
   int lane_page = 0;  // the located tile: lane l's row's block-table entry (raw)
@@ -72,7 +78,8 @@ struct CpAsyncLoader {
         c(threadIdx.x % kCpr),
         r0(threadIdx.x / kCpr),
         col_ok(c * 8 < (int)p_.f.head_dim),
-        dst0(KVTile::chunk_offset(r0, c) * (int)sizeof(Element)) {}
+        dst0(KVTile::chunk_offset(r0, c) * (int)sizeof(Element)),
+        strided(!p_.kv.paged() || (p_.kv.page_size % kBlockN == 0 && e_.seq.first_key % kBlockN == 0)) {}
 
   // Byte offset of row r0 + kRowStep * it from row r0: when kRowStep is a multiple of 8 (head-dim tiles 64 and 128)
   // the rows share their swizzle, so it is a constant per row.
@@ -81,11 +88,14 @@ struct CpAsyncLoader {
     return (KVTile::chunk_offset(r0 + it * kRowStep, c) - KVTile::chunk_offset(r0, c)) * (int)sizeof(Element);
   }
 
-  // Paged: this lane's row of tile t (dense rows need no lookup).
+  // Paged: this lane's row of tile t (strided: the tile's first row; dense rows need no lookup).
   __device__ __forceinline__ void locate(int t) {
     if (!p.kv.paged()) return;
-    const int l = threadIdx.x & 15;
-    const int r = (threadIdx.x >> 5) * kRowsPerStep + l % kRowsPerStep + kRowStep * (l / kRowsPerStep);
+    int r = 0;
+    if (!strided) {
+      const int l = threadIdx.x & 15;
+      r = (threadIdx.x >> 5) * kRowsPerStep + l % kRowsPerStep + kRowStep * (l / kRowsPerStep);
+    }
     const int j = t * kBlockN + r;
     lane_row = -1;
     lane_page = 0;
@@ -100,18 +110,20 @@ struct CpAsyncLoader {
     const FwdParams& f = p.f;
     const uint32_t sK = stage + dst0;
     const uint32_t sV = sK + KVTile::kElems * (int)sizeof(Element);
-    const int seqlen_k = (int)e.seq.seqlen_k;
-    if (!p.kv.paged()) {  // dense: the rows are evenly strided; no per-row lookup
-      const int64_t first = e.seq.first_key + t * kBlockN + r0;
-      const Element* src_k = e.k + e.seq.cache_row * f.k_stride.batch + first * f.k_stride.seq + c * 8;
-      const Element* src_v = e.v + e.seq.cache_row * f.v_stride.batch + first * f.v_stride.seq + c * 8;
-#pragma unroll
-      for (int it = 0; it < kRowsPerThread; ++it) {
-        const bool valid = col_ok && t * kBlockN + r0 + it * kRowStep < seqlen_k;
-        const int dst = dst_of(it);
-        ptx::cp_async_16(sK + dst, valid ? src_k + it * kRowStep * f.k_stride.seq : e.k, valid);
-        ptx::cp_async_16(sV + dst, valid ? src_v + it * kRowStep * f.v_stride.seq : e.v, valid);
+    const int rows_left = (int)e.seq.seqlen_k - t * kBlockN - r0;  // this thread's rows: it * kRowStep < rows_left
+    if (strided) {
+      int64_t row_k, row_v;  // element offsets of this thread's first row of the tile
+      if (!p.kv.paged()) {
+        const int64_t key = e.seq.first_key + t * kBlockN + r0;
+        row_k = e.seq.cache_row * f.k_stride.batch + key * f.k_stride.seq;
+        row_v = e.seq.cache_row * f.v_stride.batch + key * f.v_stride.seq;
+      } else {
+        const int64_t pg = min(max(lane_page, 0), (int)p.kv.cache_rows - 1);  // cache_rows < 2^31 (host check)
+        const int row = max(lane_row, 0) + r0;  // lane_row = -1 only past the sequence, where rows_left <= 0
+        row_k = pg * f.k_stride.batch + row * f.k_stride.seq;
+        row_v = pg * f.v_stride.batch + row * f.v_stride.seq;
       }
+      copy_strided(sK, sV, e.k + row_k + c * 8, e.v + row_v + c * 8, rows_left);
       return;
     }
     // Lane l < 16 turns its row's page into the row's element offsets in K and V (-1: no row), once a tile; each
@@ -133,6 +145,38 @@ struct CpAsyncLoader {
       const int dst = dst_of(it);
       ptx::cp_async_16(sK + dst, src_k, valid);
       ptx::cp_async_16(sV + dst, src_v, valid);
+    }
+  }
+
+ private:
+  // A strided tile's copies: this thread's rows from src_k / src_v (row r0 of the tile, column chunk c) on, one
+  // stride apart. A tile wholly inside the sequence (every tile but an entry's last) takes no per-row predicate;
+  // column chunks past the head dim copy nothing, from the kv head's first element.
+  __device__ __forceinline__ void copy_strided(uint32_t sK, uint32_t sV, const Element* src_k, const Element* src_v,
+                                               int rows_left) const {
+    const int64_t step_k = col_ok ? kRowStep * p.f.k_stride.seq : 0;
+    const int64_t step_v = col_ok ? kRowStep * p.f.v_stride.seq : 0;
+    if (!col_ok) {
+      src_k = e.k;
+      src_v = e.v;
+    }
+    if (rows_left + r0 >= kBlockN) {  // the whole tile (block-uniform: rows_left + r0 is the tile's keys left)
+#pragma unroll
+      for (int it = 0; it < kRowsPerThread; ++it) {
+        ptx::cp_async_16(sK + dst_of(it), src_k, col_ok);
+        ptx::cp_async_16(sV + dst_of(it), src_v, col_ok);
+        src_k += step_k;
+        src_v += step_v;
+      }
+      return;
+    }
+#pragma unroll
+    for (int it = 0; it < kRowsPerThread; ++it) {
+      const bool valid = col_ok && it * kRowStep < rows_left;
+      ptx::cp_async_16(sK + dst_of(it), valid ? src_k : e.k, valid);
+      ptx::cp_async_16(sV + dst_of(it), valid ? src_v : e.v, valid);
+      src_k += step_k;
+      src_v += step_v;
     }
   }
 };
