@@ -49,7 +49,9 @@ def parse_row(text):
 
 
 def make_cache(B, L, mixed, page, Hkv, D, dtype, gen):
-    lens = (torch.randint(L // 2, L + 1, (B,), generator=gen) if mixed else torch.full((B,), L)).to(torch.int32)
+    # Mixed lengths seeded by the row's B x L alone: a paged row reads the same lengths as its contiguous twin.
+    lens_gen = torch.Generator().manual_seed(1_000_003 * B + L)
+    lens = (torch.randint(L // 2, L + 1, (B,), generator=lens_gen) if mixed else torch.full((B,), L)).to(torch.int32)
     k = torch.randn(B, L, Hkv, D, generator=gen).to("cuda", dtype)
     v = torch.randn(B, L, Hkv, D, generator=gen).to("cuda", dtype)
     table = None
