@@ -817,8 +817,11 @@ def test_kvcache_bad_indices_stay_in_bounds_cuda(request, append, page_size):
                            rotary="neox" if append else None)
     q, kc, vc = inputs
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")
-    for lens in ([100, -5, 2**31 - 1, -2**31], [64, 65, 63, -1]):
-        call = dict(kw, cache_seqlens=i32(lens), cache_leftpad=i32([70, -3, 5, 2**31 - 1]))
+    lying_pads = [70, -3, 5, 2**31 - 1]
+    # The third set gives the entries with negative page ids keys (partial tiles, read strided through pages of 64).
+    for lens, pads in (([100, -5, 2**31 - 1, -2**31], lying_pads), ([64, 65, 63, -1], lying_pads),
+                       ([40, 64, 63, 30], [0, -3, 5, 0])):
+        call = dict(kw, cache_seqlens=i32(lens), cache_leftpad=i32(pads))
         if page_size:
             bt = call["block_table"].clone()
             bt[0, 0], bt[1, -1], bt[2, -1], bt[3, 0] = -1, 10**6, 2**31 - 1, -2**31

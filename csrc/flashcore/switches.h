@@ -35,8 +35,9 @@
 //                                               choice: cp.async)
 //   FLASHCORE_DECODE_STAGES=2|3                 the cp.async loader's K/V stages (default: decode_launch.cu's
 //                                               choice)
-//   FLASHCORE_DECODE_BLOCKS_PER_SM=N            a decode step's blocks resident an SM (N >= 1, at most what fits;
-//                                               default: decode_launch.cu's choice)
+//   FLASHCORE_DECODE_BLOCKS_PER_SM=N            a decode step's blocks resident an SM (N >= 1, at most what fits),
+//                                               also the slots its split count fills; turns off the one-wave plan;
+//                                               not for TMA or chunked prefill (default: decode_launch.cu's choice)
 #pragma once
 
 #include <string>

@@ -29,8 +29,10 @@ struct DecodePlan {
 // and no left pad (a box then never crosses a page). `requested` > 0 forces the split count (flash-attn's
 // num_splits); 0 picks the smallest count whose grid fills the device's block slots within 10 % of the best,
 // keeping at least 4 key tiles a split. The slots an SM counts are the blocks it takes to stream at the memory's
-// full rate (decode_launch.cu: full_rate_blocks_per_sm), or every block the occupancy allows where a block's issue
-// rate binds (small pages, chunked prefill, TMA).
+// full rate (decode_launch.cu: full_rate_blocks_per_sm), two for a decode step through pages under 64 keys
+// (kGatherBlocksPerSm), or every block the occupancy allows (chunked prefill, TMA). A decode step's residency is
+// capped at two blocks an SM or its slots, whichever is more, by padding its shared memory (DecodePlan::smem_bytes);
+// a decode step whose unsplit grid fills one wave of two-stage blocks at full occupancy runs so, unsplit.
 DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cudaDeviceProp& prop);
 
 // Launches the kernel, and the combine kernel when p.num_splits > 1 (p.o_partial/p.lse_partial allocated).

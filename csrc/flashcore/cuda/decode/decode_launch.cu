@@ -83,8 +83,9 @@ int full_rate_blocks_per_sm(const cudaDeviceProp& prop, double peak_bytes_per_s,
 // Where two stages would take more than one block an SM to reach the memory's rate, a dense cache takes a third
 // stage if it fits: one block of three stages an SM measured faster than two of two (H200, µs: 8 x 8k 67.3 vs
 // 71.5, 1 x 128k 127.7 vs 131.4; 64 x 2k, a grid of several waves, 130.5 vs 129.6). Paged caches keep two stages
-// and take more blocks: a block's page lookups slow its stream (1 x 128k pages of 256: 145.3 with one three-stage
-// block an SM, 130.3 with two of two stages; 8 x 8k pages of 256 71.3 vs 71.8, pages of 16 72.9 vs 71.8).
+// and take more blocks: a block's page lookups slowed its stream (1 x 128k pages of 256: 145.3 with one three-stage
+// block an SM, 130.3 with two of two stages; 8 x 8k pages of 256 71.3 vs 71.8, pages of 16 72.9 vs 71.8), and with
+// pages of whole tiles copied strided they still do at 1 x 128k (pages of 256: 137.2 vs 126.4; 8 x 8k 66.9 vs 67.8).
 // FLASHCORE_DECODE_STAGES forces the count (three only where it fits).
 int cp_async_stages(const DecodeParams& p, const DecodePlan& plan, bool bf16, const cudaDeviceProp& prop,
                     bool streams_at_own_rate, double peak_bytes_per_s) {
@@ -98,8 +99,10 @@ int cp_async_stages(const DecodeParams& p, const DecodePlan& plan, bool bf16, co
   return full_rate_blocks_per_sm(prop, peak_bytes_per_s, two.inflight_bytes) > 1 ? 3 : 2;
 }
 
-// Blocks an SM runs of a decode step that gathers its rows through the page table (pages of fewer than 64 keys:
-// a lookup and shuffles a row), whatever more the occupancy would allow. H100, 8 x 8k pages of 16: 98.5 us with 4
+// Blocks an SM runs of a decode step through pages under 64 keys, which the loader gathers (a lookup and shuffles a
+// row), whatever more the occupancy would allow. (Pages of 64+ keys that are not whole tiles, and entries whose
+// left pad is not a multiple of 64, gather too; the host plans them as streams: a left pad is per entry, on the
+// device.) H100, 8 x 8k pages of 16: 98.5 us with 4
 // splits (two blocks an SM) vs 100.8 with 2 (one); H200, where the lighter step fits three: 8 x 8k pages of 16 68.9
 // with 4 splits vs 71.9 with 6 (three an SM), 64 x 1k..2k pages of 16 105.1 at two an SM vs 112.7 at three.
 constexpr int kGatherBlocksPerSm = 2;

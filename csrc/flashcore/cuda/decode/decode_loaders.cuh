@@ -60,8 +60,8 @@ struct CpAsyncLoader {
   const int dst0;  // byte offset of (r0, c) in a stage's K tile
   // Strided tiles: a tile's keys are consecutive rows of one cache row (a dense cache) or of one page (pages of a
   // multiple of kBlockN keys, the sequence starting on a tile boundary of its first page), so a thread's rows lie
-  // kRowStep rows apart from one address: no per-row lookup, predicate or 64-bit multiply (the gather below cost
-  // the step ~150 instructions a warp; docs/PERFORMANCE.md). Block-uniform.
+  // kRowStep rows apart from one address: no per-row lookup, predicate or 64-bit multiply (the row-at-a-time form
+  // took 193 instructions a warp a tile of a dense cache; docs/PERFORMANCE.md). Block-uniform.
   const bool strided;
   // A warp's threads copy 16 rows of a tile (kRowsPerStep rows r0 at each of kRowsPerThread steps). Paged, not
   // strided: lane l < 16 looks up row l of them (locate: one block-table read and divide a lane, not one a row)
@@ -69,8 +69,8 @@ struct CpAsyncLoader {
   // one page. The page stays raw until load(), so no thread waits for the read during the tile it is issued in.
   static constexpr int kRowsPerStep = 32 / kCpr;
   static_assert(kRowsPerStep * kRowsPerThread == 16, "16 rows a warp");
-  int lane_page = 0;  // the located tile: lane l's row's block-table entry (raw)
-  int lane_row = -1;  // its row in that page; -1: past the sequence
+  int lane_page = 0;  // the located tile: lane l's row's block-table entry (raw); strided: the tile's page
+  int lane_row = -1;  // its row in that page (strided: the tile's first row); -1: past the sequence
 
   __device__ __forceinline__ CpAsyncLoader(const DecodeParams& p_, const EntryKeys<Element>& e_)
       : p(p_),
