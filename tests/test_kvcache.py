@@ -731,6 +731,20 @@ def test_kvcache_cuda_graph(request, monkeypatch, page_size, loader):
         run_case((q, kc_before, vc_before), kw)
 
 
+def poison_outside_entries(inputs, kw):
+    """NaN in every cache slot that no entry's keys occupy: before an entry's left pad, past its length, pages and
+    rows no entry maps (a serving engine's pool holds anything there)."""
+    q, k_cache, v_cache = inputs
+    valid = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device=k_cache.device)
+    pads = kw.get("cache_leftpad")
+    for b, n in enumerate(lens_list(kw, q.size(0), k_cache)):
+        start = int(pads[b]) if pads is not None else 0
+        for slot in entry_slots(k_cache, kw, b)[start:n]:
+            valid[slot] = True
+    k_cache[~valid] = float("nan")
+    v_cache[~valid] = float("nan")
+
+
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("loader", ["default", "tma", "cp.async", "stages3"])
@@ -746,13 +760,7 @@ def test_kvcache_nan_past_length_cuda(request, monkeypatch, loader, page_size, m
     Hq, Hkv = PREFILL_HEADS if mode == "prefill" else (8, 2)
     inputs, kw = make_case(request, "cuda", torch.bfloat16, Hq=Hq, Hkv=Hkv, D=128, capacity=GPU_CAP,
                            page_size=page_size, causal=True, **m)
-    q, k_cache, v_cache = inputs
-    valid = torch.zeros(k_cache.shape[:2], dtype=torch.bool, device="cuda")
-    for b, n in enumerate(lens_list(kw, q.size(0), k_cache)):
-        for slot in entry_slots(k_cache, kw, b)[:n]:
-            valid[slot] = True
-    k_cache[~valid] = float("nan")
-    v_cache[~valid] = float("nan")
+    poison_outside_entries(inputs, kw)
     run_case(inputs, kw, check_cache=False)
     hopper, ran = torch.cuda.get_device_capability() == (9, 0), flashcore.last_kernel("fwd")
     routed = mode == "prefill" and prefill_on_varlen(page_size, m["Sq"])  # on Hopper the varlen forward
@@ -799,21 +807,58 @@ def test_kvcache_tile_aligned_pages_cuda(request, page_size, head_dim, variant):
     inputs, kw = make_case(request, "cuda", torch.bfloat16, B=len(lens), Sq=1, Hq=32, Hkv=8, D=head_dim,
                            capacity=1024, lens=lens, leftpad=leftpad, page_size=page_size, causal=True,
                            softcap=30.0 if variant == "softcap" else 0.0, alibi="head" if variant == "alibi" else None)
+    poison_outside_entries(inputs, kw)  # the pads and the tails of whole tiles read must not reach the output
     for splits in (1, 3):
-        run_case(inputs, dict(kw, num_splits=splits))
+        run_case(inputs, dict(kw, num_splits=splits), check_cache=False)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("page_size", [None, 16, 256], ids=lambda p: f"page{p}" if p else "dense")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_kvcache_residency_cuda(request, monkeypatch, page_size, head_dim):
+    """How many blocks an SM runs (FLASHCORE_DECODE_BLOCKS_PER_SM caps it through padded shared memory) changes
+    where the decode step's blocks run, never what they compute: with the splits fixed, 1, 2 and 3 blocks an SM
+    give bitwise the same out and lse, checked against the reference."""
+    lens = [1000, 0, 333, FULL, 64, 999, 640, 1]
+    inputs, kw = make_case(request, "cuda", torch.bfloat16, B=len(lens), Sq=1, Hq=32, Hkv=8, D=head_dim,
+                           capacity=GPU_CAP, lens=lens, page_size=page_size, causal=True, num_splits=3)
+    out, lse, *_ = run_case(inputs, kw)
+    q, k_cache, v_cache = inputs
+    for n in (1, 2, 3):
+        monkeypatch.setenv("FLASHCORE_DECODE_BLOCKS_PER_SM", str(n))
+        out_n, lse_n = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), **kw)
+        assert torch.equal(out_n, out) and torch.equal(lse_n, lse), f"{n} blocks an SM"
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("blocks_per_sm", [2, 3, 4])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_kvcache_one_wave_grids_cuda(request, blocks_per_sm, head_dim):
+    """Decode steps whose unsplit grid (batch x kv heads) is about 2, 3 or 4 blocks an SM of this GPU: around the
+    point where the plan runs one wave of two-stage blocks unsplit (decode_launch.cu) instead of splitting keys
+    over waves of three-stage ones; whichever it picks, the result is checked against the reference."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    B = max(1, round(sms * blocks_per_sm / 8))
+    lens = torch.randint(1, 1001, (B,), generator=make_generator(request)).tolist()
+    inputs, kw = make_case(request, "cuda", torch.bfloat16, B=B, Sq=1, Hq=32, Hkv=8, D=head_dim, capacity=1000,
+                           lens=lens, causal=True)
+    run_case(inputs, kw)
 
 
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("append", [False, True])
-@pytest.mark.parametrize("page_size", [None, 16, 64])
-def test_kvcache_bad_indices_stay_in_bounds_cuda(request, append, page_size):
+@pytest.mark.parametrize("page_size", [None, 16, 48, 64])
+@pytest.mark.parametrize("head_dim", [64, 256])
+def test_kvcache_bad_indices_stay_in_bounds_cuda(request, append, page_size, head_dim):
     """cache_seqlens past the capacity or negative, page ids out of range, cache_batch_idx out of range, left pads
     past the length or negative: nothing is read or written outside the tensors (compute-sanitizer runs this test
     separately); the outputs are finite and nothing crashes."""
     B = 4
-    inputs, kw = make_case(request, "cuda", torch.float16, B=B, Sq=2, Sn=2 if append else 0, Hq=8, Hkv=2, D=64,
-                           capacity=64, lens=[0, 0, 0, 0], page_size=page_size, causal=True,
+    inputs, kw = make_case(request, "cuda", torch.float16, B=B, Sq=2, Sn=2 if append else 0, Hq=8, Hkv=2,
+                           D=head_dim, capacity=64, lens=[0, 0, 0, 0], page_size=page_size, causal=True,
                            rotary="neox" if append else None)
     q, kc, vc = inputs
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")

@@ -20,6 +20,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include "../../paged_kv.h"
 #include "../common/online_softmax.cuh"
@@ -49,6 +50,9 @@ struct DecodeTraits {
   static constexpr int kDTiles = kHeadDim / 8;
   static constexpr int kKSteps = kHeadDim / 16;
   static constexpr bool kTma = kTma_;
+  // Q's fragments stay in registers up to head dim 128; at 256 they would take 64 of the thread's registers beside
+  // O's 128, so the QK product reads them from shared memory each tile.
+  static constexpr bool kQInRegs = kHeadDim <= 128;
   using QTile = cuda::SmemTile<kBlockM, kHeadDim>;
   using KVTile = cuda::SmemTile<kBlockN, kHeadDim>;
   static_assert(QTile::kSpanChunks == 8, "head-dim tiles are multiples of 64 (128-byte rows)");
@@ -68,6 +72,12 @@ struct DecodeTraits {
   static constexpr int kAlignSlack = kTma ? 1024 : 0;
   static constexpr int kBarrierBytes = kTma ? 8 * kStages : 0;
   static constexpr int kSmemBytes = kAlignSlack + QTile::kElems * (int)sizeof(Element) + kStageBytes + kBarrierBytes;
+  // Blocks an SM the registers must allow (__launch_bounds__): a two-stage cp.async decode step keeps the residency
+  // its shared memory allows at head dims 64 (four, 128 registers) and 128 (three, 168), which the one-wave plan
+  // counts on (decode_launch.cu: 64 x 2k at head dim 64 is 512 blocks, one wave of four an SM on 132 SMs); the
+  // 16-key-run copies, when every tile had them, took these kernels to 160 and 199 registers unbounded.
+  static constexpr int kMinBlocksPerSm =
+      kRowsMode || kTma || kStages != 2 ? 1 : kHeadDim == 64 ? 4 : kHeadDim == 128 ? 3 : 1;
 };
 
 // cp.async of a (Tile::kNumRows x head-dim tile) tile whose rows lie anywhere (the packed query rows): row_ptr(r) gives row r's address,
@@ -334,8 +344,9 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
   const bool softcap = f.score.softcap > 0.f, alibi = f.score.alibi_slopes != nullptr;
   // Scores that need only the scale (positive: OnlineSoftmax folds it into its exp2) on unmasked tiles skip the
   // per-score transform; the compiler had turned its softcap, ALiBi and mask branches into predicated code that
-  // every tile ran (~90 instructions a warp a tile; docs/PERFORMANCE.md).
-  const bool plain_scores = !softcap && !alibi && f.scale_log2 > 0.f;
+  // every tile ran (~90 instructions a warp a tile; docs/PERFORMANCE.md). The same test that sends the
+  // prefill kernels to their score-mod variants.
+  const bool plain_scores = !f.score.transforms(f.scale);
   const int alibi_offset = seqlen_k - seqlen_q;
   // The band in 32 bits (clamped: |j - i| < 2^31 here) and the tiles every row of the block sees whole.
   const int band_lo = (int)Band::max64(band.lo, -(int64_t(1) << 31) + 1);
@@ -383,7 +394,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
     }
   }
 
-  uint32_t q_regs[1][kKSteps][4];
+  uint32_t q_regs[1][Traits::kQInRegs ? kKSteps : 1][4];  // a placeholder where Q is read from shared memory
   const sm80::LaneOffsets a_off = sm80::lane_offsets_a(lane), b_off = sm80::lane_offsets_b(lane);
   for (int i = 0; i < n_tiles; ++i) {
     const int t = tile_of(i), stage = i % kStages;
@@ -410,12 +421,13 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
       ptx::cp_async_wait<kStages - 1>();  // Q and tile i have landed
       __syncthreads();
     }
-    if (i == 0) sm80::load_q_fragments<QTile>(q_regs, sQ, wm * 16, lane);
+    if constexpr (Traits::kQInRegs)
+      if (i == 0) sm80::load_q_fragments<QTile>(q_regs, sQ, wm * 16, lane);
 
     const Element* sK = stage_ptr(stage) + wn * Traits::kWarpKeys * 64;
     const Element* sV = sK + KVTile::kElems;
     float s[1][kNTiles][4];
-    sm80::gemm_qk<QTile, KVTile, 1, kNTiles, kKSteps, /*kQInRegs=*/true>(s, q_regs, sQ, sK, wm * 16, lane, a_off,
+    sm80::gemm_qk<QTile, KVTile, 1, kNTiles, kKSteps, Traits::kQInRegs>(s, q_regs, sQ, sK, wm * 16, lane, a_off,
                                                                          b_off);
     float correction[2];
     bool moved;
@@ -450,8 +462,7 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
 }
 
 template <typename Traits>
-__global__ void __launch_bounds__(Traits::kNThreads)
-    decode_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ DecodeTmaMaps maps) {
+__device__ __forceinline__ void decode_kernel_body(const DecodeParams& p, const DecodeTmaMaps& maps) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
   // TMA is sm_90 code: below it the variant is an empty kernel the host never launches (decode_launch.cu takes it
   // only where the kernel's code was compiled for sm_90).
@@ -463,6 +474,21 @@ __global__ void __launch_bounds__(Traits::kNThreads)
 #else
   decode_block<Traits>(p, maps);
 #endif
+}
+
+// Two definitions, one per form of __launch_bounds__: a minimum of one block an SM is not the same request to
+// ptxas as none (it gave every variant more registers: the chunked-prefill ones 151 -> 208 at head dim 64), so
+// only the variants with a residency to keep (DecodeTraits::kMinBlocksPerSm) name one.
+template <typename Traits, std::enable_if_t<Traits::kMinBlocksPerSm == 1, int> = 0>
+__global__ void __launch_bounds__(Traits::kNThreads)
+    decode_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ DecodeTmaMaps maps) {
+  decode_kernel_body<Traits>(p, maps);
+}
+
+template <typename Traits, std::enable_if_t<(Traits::kMinBlocksPerSm > 1), int> = 0>
+__global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
+    decode_kernel(const __grid_constant__ DecodeParams p, const __grid_constant__ DecodeTmaMaps maps) {
+  decode_kernel_body<Traits>(p, maps);
 }
 
 // The split-KV merge: one warp a row.

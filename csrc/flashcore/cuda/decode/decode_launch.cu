@@ -23,6 +23,7 @@ struct Variant {
   int block_m;
   int inflight_bytes;  // K/V bytes the pipeline keeps in flight: the stages ahead of the one computed
   std::atomic<uint64_t>* smem_configured;
+  std::atomic<int>* occupancy;     // [64]: blocks an SM of device d at smem_bytes (0: not asked yet)
   cuda::Sm90CodeCheck* sm90_code;  // whether its code on the device is sm_90 code (the TMA variant; PDL)
 };
 
@@ -30,9 +31,11 @@ template <int kTile, typename Element, bool kRows, bool kTma, int kStages>
 Variant variant() {
   using Traits = DecodeTraits<kTile, Element, kRows, kTma, kStages>;
   static std::atomic<uint64_t> configured{0};
+  static std::atomic<int> occupancy[64];  // static storage: zero-initialised
   static cuda::Sm90CodeCheck sm90_code;
   constexpr int kInflight = (Traits::kStages - 1) * Traits::kStageElems * (int)sizeof(Element);
-  return Variant{&decode_kernel<Traits>, Traits::kSmemBytes, Traits::kBlockM, kInflight, &configured, &sm90_code};
+  return Variant{&decode_kernel<Traits>, Traits::kSmemBytes, Traits::kBlockM, kInflight, &configured, occupancy,
+                 &sm90_code};
 }
 
 template <typename Element, bool kTma, int kStages>
@@ -57,12 +60,24 @@ Variant pick(int tile, bool rows, bool bf16, bool tma, int stages) {
 // not, where the variant is an empty kernel); cached per device.
 bool tma_code_built(const Variant& v) { return cuda::runs_sm90_code(v.kernel, *v.sm90_code); }
 
-// The device's peak DRAM bandwidth in bytes a second: double data rate x bus width.
-double peak_dram_bytes_per_s(const cudaDeviceProp& prop) {
-  int device = 0, clock_khz = 0;
+int current_device() {
+  int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+// The device's peak DRAM bandwidth in bytes a second: double data rate x bus width. Cached per device (devices past
+// 63 ask every call), as are the occupancies below: a decode step's host time is part of every generated token's.
+double peak_dram_bytes_per_s(const cudaDeviceProp& prop) {
+  static std::atomic<double> cached[64];  // 0: not asked yet
+  const int device = current_device();
+  if (device < 64)
+    if (const double peak = cached[device].load(std::memory_order_relaxed); peak > 0.0) return peak;
+  int clock_khz = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&clock_khz, cudaDevAttrMemoryClockRate, device));
-  return 2.0 * clock_khz * 1e3 * (prop.memoryBusWidth / 8.0);
+  const double peak = 2.0 * clock_khz * 1e3 * (prop.memoryBusWidth / 8.0);
+  if (device < 64) cached[device].store(peak, std::memory_order_relaxed);
+  return peak;
 }
 
 // Blocks of the cp.async loader an SM needs to stream a dense cache (or pages of 64 keys or more) at the memory's
@@ -118,6 +133,27 @@ int residency_capped_smem(const Variant& v, int blocks, const cudaDeviceProp& pr
   return std::max(v.smem_bytes, std::min(dynamic, (int)prop.sharedMemPerBlockOptin - kStaticSmemBound));
 }
 
+// Opts variant v in to the most dynamic shared memory any of its launches asks for (the padding of one block an
+// SM), once per device, so that every residency cap plan_decode picks is a valid launch.
+void opt_in_smem(const Variant& v, const cudaDeviceProp& prop) {
+  cuda::set_max_dynamic_smem_once(v.kernel, std::max(v.smem_bytes, residency_capped_smem(v, 1, prop)),
+                                  *v.smem_configured);
+}
+
+// Blocks of variant v an SM can run at its own shared memory (at least 1); cached per device. Opts v in first (a
+// cached count means that was done on this device).
+int occupancy_of(const Variant& v, const cudaDeviceProp& prop) {
+  const int device = current_device();
+  if (device < 64)
+    if (const int n = v.occupancy[device].load(std::memory_order_relaxed); n > 0) return n;
+  opt_in_smem(v, prop);
+  int n = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, v.kernel, 128, v.smem_bytes));
+  n = std::max(1, n);
+  if (device < 64) v.occupancy[device].store(n, std::memory_order_relaxed);
+  return n;
+}
+
 // Keys a TMA box for the call's cache, or 0 where the TMA loader cannot serve it (DecodePlan) or is not asked for
 // (FLASHCORE_DECODE_TMA=1; the tests take it so). The cp.async loader is as fast or faster on every row measured:
 //   H100 (decode_bench, same process): 8 x 8k pages of 256 98.5 vs 99.4 us, 1 x 128k pages of 256 186.8 vs 191.3,
@@ -162,16 +198,7 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   plan.m_blocks = (int)((rows + v.block_m - 1) / v.block_m);
   TORCH_CHECK(plan.m_blocks <= 65535, "flashcore: seqlen_q x (heads_q / heads_kv) = ", rows,
               " query rows per kv head exceed the KV-cache kernel's grid");
-  // Blocks of a variant an SM can run. The largest padding (one block an SM) is allowed, so that a launch may cap
-  // residency (below).
-  auto occupancy_of = [&](const Variant& var) {
-    int n = 0;
-    cuda::set_max_dynamic_smem_once(var.kernel, std::max(var.smem_bytes, residency_capped_smem(var, 1, prop)),
-                                    *var.smem_configured);
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, var.kernel, 128, var.smem_bytes));
-    return std::max(1, n);
-  };
-  int per_sm = occupancy_of(v);
+  const int per_sm = occupancy_of(v, prop);  // and v opted in to its largest launch
   const double blocks = (double)p.f.batch * p.f.heads_kv * plan.m_blocks;
   const bool decode_step = !plan.rows_mode && !plan.tma;
   // A decode step whose unsplit grid fills one wave of two-stage blocks at their full occupancy (within a tenth)
@@ -180,7 +207,7 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   if (decode_step && streams_at_own_rate && plan.stages == 3 && requested == 0 && decode_stages_forced() == 0 &&
       decode_blocks_per_sm_forced() == 0) {
     const Variant two = pick(plan.head_dim_tile, false, bf16, false, 2);
-    const int per_sm_two = occupancy_of(two);
+    const int per_sm_two = occupancy_of(two, prop);
     const double wave = (double)per_sm_two * prop.multiProcessorCount;
     if (blocks <= wave && blocks >= 0.9 * wave) {
       plan.stages = 2;
@@ -244,7 +271,7 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
 
 void launch_decode(const DecodeParams& p, const DecodePlan& plan, bool bf16, cudaStream_t stream) {
   const Variant v = pick(plan.head_dim_tile, plan.rows_mode, bf16, plan.tma, plan.stages);
-  cuda::set_max_dynamic_smem_once(v.kernel, plan.smem_bytes, *v.smem_configured);  // plan_decode allowed more
+  // plan_decode opted the variant in to plan.smem_bytes and more (opt_in_smem).
   DecodeTmaMaps maps{};
   if (plan.tma) {
     const FwdParams& f = p.f;

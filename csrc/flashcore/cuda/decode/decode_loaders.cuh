@@ -6,8 +6,9 @@
 // copies that need them. Page numbers read from the block table are not trusted: the cp.async loader clamps them
 // into the cache, the TMA loader lets TMA zero-fill what lies outside it.
 //   CpAsyncLoader (every arch): each thread copies 16-byte chunks of kBlockN / kRowStep rows: one stride apart
-//     where a tile is consecutive rows of one cache row or page (dense caches, pages of whole tiles), otherwise
-//     gathered through the page table one lookup a row (a lane each), so a page may hold any number of keys.
+//     where a tile (or each 16-key run of it) is consecutive rows of one cache row or page (dense caches, pages of
+//     a multiple of 16 keys), otherwise gathered through the page table one lookup a row (a lane each), so a page
+//     may hold any number of keys.
 //   TmaLoader (Hopper): thread 0 loads a tile as boxes of 64 columns x box_rows keys into the same swizzled layout
 //     (SmemTile's 128-byte rows are TMA's 128-byte swizzle) and signals the stage's mbarrier. A box never crosses a
 //     page (box_rows divides the page size; the host takes this loader only without a left pad, so the sequence
@@ -49,28 +50,42 @@ struct CpAsyncLoader {
   using Element = typename Traits::Element;
   using KVTile = typename Traits::KVTile;
   static constexpr int kBlockN = Traits::kBlockN;
-  // A thread copies chunk c of rows r0 + kRowStep * it, it < kRowsPerThread.
+  // A thread copies chunk c of rows r0 + kRowStep * it, it < kRowsPerThread (r0 < kRowStep).
   static constexpr int kCpr = KVTile::kChunksPerRow, kRowStep = Traits::kNThreads / kCpr;
   static constexpr int kRowsPerThread = kBlockN / kRowStep;
+  // Runs: kRuns runs of kRunRows consecutive keys a tile; a thread's rows of run g are its steps
+  // g * kItsPerRun .. (g + 1) * kItsPerRun - 1 (kRowStep divides kRunRows).
+  static constexpr int kRunRows = 16, kRuns = kBlockN / kRunRows, kItsPerRun = kRunRows / kRowStep;
+  static_assert(kRunRows % kRowStep == 0 && kItsPerRun * kRuns == kRowsPerThread, "whole runs a thread");
+  static_assert(kRuns == 4, "copy_rows_run dispatches four runs");
+  // Runs pay where a thread copies several rows of each (kItsPerRun 4: head-dim tile 256, pages of 16 189.7 ->
+  // 131.3 us at 8 x 8k on the H200). At tiles 64 and 128 (1 and 2 rows a run) they measured no faster than the
+  // gather (128: 70.9 vs 70.8 us, mixed 103.0 vs 102.0) or slower (64: 47.2 vs 43.6), so those pages gather.
+  static constexpr bool kCopiesRuns = kItsPerRun >= 4;
+  static constexpr int kLocatedRuns = kCopiesRuns ? kRuns : 1;  // block-table entries a thread reads a tile
 
+  // How a block's tiles are copied (block-uniform). The row-at-a-time gather took 193 instructions a warp a tile
+  // for a dense cache, more than the attention's own (docs/PERFORMANCE.md), so every layout that allows it copies
+  // from one address a thread advanced by a stride: no per-row lookup, predicate or 64-bit multiply.
+  //   kStrided: a tile is consecutive rows of one cache row (a dense cache) or of one page (pages of a multiple of
+  //             kBlockN keys, the sequence starting on a tile edge of its first page): one table read a tile.
+  //   kRuns:    a tile is kRuns runs of kRunRows consecutive rows, each inside one page (pages of a multiple of
+  //             kRunRows keys, the sequence starting on a run edge): one table read a run (kCopiesRuns only).
+  //   kGather:  other pages: a warp's lane l < 16 looks up row l of the 16 rows the warp copies (one table read
+  //             and divide a lane, not one a row) and load() hands each thread its rows' addresses by shuffles.
+  enum class Copy { kStrided, kRuns, kGather };
   const DecodeParams& p;
   const EntryKeys<Element>& e;
   const int c, r0;
   const bool col_ok;
   const int dst0;  // byte offset of (r0, c) in a stage's K tile
-  // Strided tiles: a tile's keys are consecutive rows of one cache row (a dense cache) or of one page (pages of a
-  // multiple of kBlockN keys, the sequence starting on a tile boundary of its first page), so a thread's rows lie
-  // kRowStep rows apart from one address: no per-row lookup, predicate or 64-bit multiply (the row-at-a-time form
-  // took 193 instructions a warp a tile of a dense cache; docs/PERFORMANCE.md). Block-uniform.
-  const bool strided;
-  // A warp's threads copy 16 rows of a tile (kRowsPerStep rows r0 at each of kRowsPerThread steps). Paged, not
-  // strided: lane l < 16 looks up row l of them (locate: one block-table read and divide a lane, not one a row)
-  // and load() hands each thread its rows' addresses by shuffles. Paged and strided: every lane reads the tile's
-  // one page. The page stays raw until load(), so no thread waits for the read during the tile it is issued in.
+  const Copy copy;
   static constexpr int kRowsPerStep = 32 / kCpr;
   static_assert(kRowsPerStep * kRowsPerThread == 16, "16 rows a warp");
-  int lane_page = 0;  // the located tile: lane l's row's block-table entry (raw); strided: the tile's page
-  int lane_row = -1;  // its row in that page (strided: the tile's first row); -1: past the sequence
+  // The located tile's raw block-table entries (read a tile ahead, so that no thread waits for them in the tile
+  // they are issued in): kStrided the tile's page in [0], kRuns each run's page, kGather this lane's row's page in
+  // [0] and its row in that page in [1] (-1: past the sequence).
+  int located[kRuns];
 
   __device__ __forceinline__ CpAsyncLoader(const DecodeParams& p_, const EntryKeys<Element>& e_)
       : p(p_),
@@ -79,7 +94,12 @@ struct CpAsyncLoader {
         r0(threadIdx.x / kCpr),
         col_ok(c * 8 < (int)p_.f.head_dim),
         dst0(KVTile::chunk_offset(r0, c) * (int)sizeof(Element)),
-        strided(!p_.kv.paged() || (p_.kv.page_size % kBlockN == 0 && e_.seq.first_key % kBlockN == 0)) {}
+        copy(!p_.kv.paged() || (p_.kv.page_size % kBlockN == 0 && e_.seq.first_key % kBlockN == 0) ? Copy::kStrided
+             : kCopiesRuns && p_.kv.page_size % kRunRows == 0 && e_.seq.first_key % kRunRows == 0  ? Copy::kRuns
+                                                                                                  : Copy::kGather) {
+#pragma unroll
+    for (int g = 0; g < kRuns; ++g) located[g] = 0;
+  }
 
   // Byte offset of row r0 + kRowStep * it from row r0: when kRowStep is a multiple of 8 (head-dim tiles 64 and 128)
   // the rows share their swizzle, so it is a constant per row.
@@ -88,20 +108,24 @@ struct CpAsyncLoader {
     return (KVTile::chunk_offset(r0 + it * kRowStep, c) - KVTile::chunk_offset(r0, c)) * (int)sizeof(Element);
   }
 
-  // Paged: this lane's row of tile t (strided: the tile's first row; dense rows need no lookup).
+  // Paged: reads the block-table entries of tile t (dense rows need none).
   __device__ __forceinline__ void locate(int t) {
     if (!p.kv.paged()) return;
-    int r = 0;
-    if (!strided) {
+    const int seqlen_k = (int)e.seq.seqlen_k, first = (int)e.seq.first_key;
+    const int32_t* table = p.kv.block_table + e.b * p.kv.block_table_stride;
+    if (copy == Copy::kGather) {
       const int l = threadIdx.x & 15;
-      r = (threadIdx.x >> 5) * kRowsPerStep + l % kRowsPerStep + kRowStep * (l / kRowsPerStep);
+      const int j = t * kBlockN + (threadIdx.x >> 5) * kRowsPerStep + l % kRowsPerStep + kRowStep * (l / kRowsPerStep);
+      located[0] = 0;
+      located[1] = -1;
+      if (j < seqlen_k) located[0] = table[p.kv.page_slot(first + j, located[1])];
+      return;
     }
-    const int j = t * kBlockN + r;
-    lane_row = -1;
-    lane_page = 0;
-    if (j < (int)e.seq.seqlen_k) {
-      const int slot = p.kv.page_slot((int)e.seq.first_key + j, lane_row);
-      lane_page = p.kv.block_table[e.b * p.kv.block_table_stride + slot];
+#pragma unroll
+    for (int g = 0; g < kLocatedRuns; ++g) {
+      const int j = t * kBlockN + g * kRunRows;
+      int row = 0;
+      if (g == 0 || copy == Copy::kRuns) located[g] = j < seqlen_k ? table[p.kv.page_slot(first + j, row)] : 0;
     }
   }
 
@@ -111,28 +135,41 @@ struct CpAsyncLoader {
     const uint32_t sK = stage + dst0;
     const uint32_t sV = sK + KVTile::kElems * (int)sizeof(Element);
     const int rows_left = (int)e.seq.seqlen_k - t * kBlockN - r0;  // this thread's rows: it * kRowStep < rows_left
-    if (strided) {
-      int64_t row_k, row_v;  // element offsets of this thread's first row of the tile
-      if (!p.kv.paged()) {
-        const int64_t key = e.seq.first_key + t * kBlockN + r0;
-        row_k = e.seq.cache_row * f.k_stride.batch + key * f.k_stride.seq;
-        row_v = e.seq.cache_row * f.v_stride.batch + key * f.v_stride.seq;
-      } else {
-        const int64_t pg = min(max(lane_page, 0), (int)p.kv.cache_rows - 1);  // cache_rows < 2^31 (host check)
-        const int row = max(lane_row, 0) + r0;  // lane_row = -1 only past the sequence, where rows_left <= 0
-        row_k = pg * f.k_stride.batch + row * f.k_stride.seq;
-        row_v = pg * f.v_stride.batch + row * f.v_stride.seq;
-      }
-      copy_strided(sK, sV, e.k + row_k + c * 8, e.v + row_v + c * 8, rows_left);
+    const bool whole = rows_left + r0 >= kBlockN;  // the tile lies inside the sequence (block-uniform)
+    if (copy == Copy::kStrided && !p.kv.paged()) {
+      const int64_t key = e.seq.first_key + t * kBlockN + r0;
+      const int64_t row_k = e.seq.cache_row * f.k_stride.batch + key * f.k_stride.seq;
+      const int64_t row_v = e.seq.cache_row * f.v_stride.batch + key * f.v_stride.seq;
+      copy_rows<0, kRowsPerThread>(sK, sV, e.k + row_k + c * 8, e.v + row_v + c * 8, whole, rows_left);
       return;
     }
-    // Lane l < 16 turns its row's page into the row's element offsets in K and V (-1: no row), once a tile; each
-    // thread takes its rows' offsets by shuffles.
+    if (copy != Copy::kGather) {  // kStrided (one run of kBlockN rows) or kRuns
+#pragma unroll
+      for (int g = 0; g < kLocatedRuns; ++g) {
+        if (g > 0 && copy == Copy::kStrided) break;  // block-uniform
+        int row = 0;  // the run's first row in its page (the located page holds the whole run)
+        p.kv.page_slot((int)e.seq.first_key + t * kBlockN + g * kRunRows, row);
+        const int64_t pg = min(max(located[g], 0), (int)p.kv.cache_rows - 1);  // cache_rows < 2^31 (host check)
+        const int64_t row_k = pg * f.k_stride.batch + (row + r0) * f.k_stride.seq;
+        const int64_t row_v = pg * f.v_stride.batch + (row + r0) * f.v_stride.seq;
+        const Element* src_k = e.k + row_k + c * 8;
+        const Element* src_v = e.v + row_v + c * 8;
+        if (!kCopiesRuns || copy == Copy::kStrided) {
+          copy_rows<0, kRowsPerThread>(sK, sV, src_k, src_v, whole, rows_left);
+        } else {
+          const int run_left = rows_left - g * kRunRows;  // this thread's rows of run g: i * kRowStep < run_left
+          copy_rows_run(g, sK, sV, src_k, src_v, whole, run_left);
+        }
+      }
+      return;
+    }
+    // Gather: lane l < 16 turns its row's page into the row's element offsets in K and V (-1: no row), once a
+    // tile; each thread takes its rows' offsets by shuffles.
     int64_t lane_k = -1, lane_v = -1;
-    if (lane_row >= 0) {
-      const int64_t pg = min(max(lane_page, 0), (int)p.kv.cache_rows - 1);  // cache_rows < 2^31 (host check)
-      lane_k = pg * f.k_stride.batch + lane_row * f.k_stride.seq;
-      lane_v = pg * f.v_stride.batch + lane_row * f.v_stride.seq;
+    if (located[1] >= 0) {
+      const int64_t pg = min(max(located[0], 0), (int)p.kv.cache_rows - 1);  // cache_rows < 2^31 (host check)
+      lane_k = pg * f.k_stride.batch + located[1] * f.k_stride.seq;
+      lane_v = pg * f.v_stride.batch + located[1] * f.v_stride.seq;
     }
     const int sub = (threadIdx.x & 31) / kCpr;  // r0 = warp * kRowsPerStep + sub
 #pragma unroll
@@ -149,34 +186,47 @@ struct CpAsyncLoader {
   }
 
  private:
-  // A strided tile's copies: this thread's rows from src_k / src_v (row r0 of the tile, column chunk c) on, one
-  // stride apart. A tile wholly inside the sequence (every tile but an entry's last) takes no per-row predicate;
-  // column chunks past the head dim copy nothing, from the kv head's first element.
-  __device__ __forceinline__ void copy_strided(uint32_t sK, uint32_t sV, const Element* src_k, const Element* src_v,
-                                               int rows_left) const {
+  // Copies this thread's rows kIt0 .. kIt0 + kIts - 1 of a tile, consecutive ones kRowStep rows apart from src_k /
+  // src_v (the first's address, column chunk c). A tile wholly inside the sequence (every tile but an entry's last)
+  // takes no per-row predicate; rows_left counts from row kIt0; column chunks past the head dim copy nothing, from
+  // the kv head's first element.
+  template <int kIt0, int kIts>
+  __device__ __forceinline__ void copy_rows(uint32_t sK, uint32_t sV, const Element* src_k, const Element* src_v,
+                                            bool whole, int rows_left) const {
     const int64_t step_k = col_ok ? kRowStep * p.f.k_stride.seq : 0;
     const int64_t step_v = col_ok ? kRowStep * p.f.v_stride.seq : 0;
     if (!col_ok) {
       src_k = e.k;
       src_v = e.v;
     }
-    if (rows_left + r0 >= kBlockN) {  // the whole tile (block-uniform: rows_left + r0 is the tile's keys left)
+    if (whole) {
 #pragma unroll
-      for (int it = 0; it < kRowsPerThread; ++it) {
-        ptx::cp_async_16(sK + dst_of(it), src_k, col_ok);
-        ptx::cp_async_16(sV + dst_of(it), src_v, col_ok);
+      for (int i = 0; i < kIts; ++i) {
+        ptx::cp_async_16(sK + dst_of(kIt0 + i), src_k, col_ok);
+        ptx::cp_async_16(sV + dst_of(kIt0 + i), src_v, col_ok);
         src_k += step_k;
         src_v += step_v;
       }
       return;
     }
 #pragma unroll
-    for (int it = 0; it < kRowsPerThread; ++it) {
-      const bool valid = col_ok && it * kRowStep < rows_left;
-      ptx::cp_async_16(sK + dst_of(it), valid ? src_k : e.k, valid);
-      ptx::cp_async_16(sV + dst_of(it), valid ? src_v : e.v, valid);
+    for (int i = 0; i < kIts; ++i) {
+      const bool valid = col_ok && i * kRowStep < rows_left;
+      ptx::cp_async_16(sK + dst_of(kIt0 + i), valid ? src_k : e.k, valid);
+      ptx::cp_async_16(sV + dst_of(kIt0 + i), valid ? src_v : e.v, valid);
       src_k += step_k;
       src_v += step_v;
+    }
+  }
+
+  // Run g's rows (its steps are compile-time only under the unrolled loop over g; this dispatch keeps them so).
+  __device__ __forceinline__ void copy_rows_run(int g, uint32_t sK, uint32_t sV, const Element* src_k,
+                                                const Element* src_v, bool whole, int run_left) const {
+    switch (g) {
+      case 0: copy_rows<0 * kItsPerRun, kItsPerRun>(sK, sV, src_k, src_v, whole, run_left); break;
+      case 1: copy_rows<1 * kItsPerRun, kItsPerRun>(sK, sV, src_k, src_v, whole, run_left); break;
+      case 2: copy_rows<2 * kItsPerRun, kItsPerRun>(sK, sV, src_k, src_v, whole, run_left); break;
+      default: copy_rows<3 * kItsPerRun, kItsPerRun>(sK, sV, src_k, src_v, whole, run_left); break;
     }
   }
 };
