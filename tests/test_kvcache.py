@@ -815,11 +815,12 @@ def test_kvcache_tile_aligned_pages_cuda(request, page_size, head_dim, variant):
 @pytest.mark.gpu
 @requires_cuda
 @pytest.mark.parametrize("page_size", [None, 16, 256], ids=lambda p: f"page{p}" if p else "dense")
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])
 def test_kvcache_residency_cuda(request, monkeypatch, page_size, head_dim):
     """How many blocks an SM runs (FLASHCORE_DECODE_BLOCKS_PER_SM caps it through padded shared memory) changes
     where the decode step's blocks run, never what they compute: with the splits fixed, 1, 2 and 3 blocks an SM
-    give bitwise the same out and lse, checked against the reference."""
+    give bitwise the same out and lse, checked against the reference; each padded launch must be valid. (Head dim
+    256 fits one block an SM: nothing to cap.)"""
     lens = [1000, 0, 333, FULL, 64, 999, 640, 1]
     inputs, kw = make_case(request, "cuda", torch.bfloat16, B=len(lens), Sq=1, Hq=32, Hkv=8, D=head_dim,
                            capacity=GPU_CAP, lens=lens, page_size=page_size, causal=True, num_splits=3)
@@ -836,15 +837,43 @@ def test_kvcache_residency_cuda(request, monkeypatch, page_size, head_dim):
 @pytest.mark.parametrize("blocks_per_sm", [2, 3, 4])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_kvcache_one_wave_grids_cuda(request, blocks_per_sm, head_dim):
-    """Decode steps whose unsplit grid (batch x kv heads) is about 2, 3 or 4 blocks an SM of this GPU: around the
-    point where the plan runs one wave of two-stage blocks unsplit (decode_launch.cu) instead of splitting keys
-    over waves of three-stage ones; whichever it picks, the result is checked against the reference."""
+    """Decode steps whose unsplit grid (batch x kv heads) is 2, 3 or 4 blocks an SM of this GPU: around the point
+    where the plan runs one wave of two-stage blocks unsplit (decode_launch.cu) instead of splitting keys over
+    waves of three-stage ones; the result is checked against the reference. On Hopper, where a dense decode step
+    takes three stages (the memory outruns a two-stage block, as on the H200), a grid of exactly the two-stage
+    kernel's residency (four blocks an SM at head dim 64, three at 128: DecodeTraits::kMinBlocksPerSm) must run
+    as that one wave."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    B = max(1, round(sms * blocks_per_sm / 8))
+    B = max(1, sms * blocks_per_sm // 8)
     lens = torch.randint(1, 1001, (B,), generator=make_generator(request)).tolist()
+    probe, probe_kw = make_case(request, "cuda", torch.bfloat16, B=1, Sq=1, Hq=32, Hkv=8, D=head_dim,
+                                capacity=1000, lens=[1000], causal=True)
+    flash_attn_with_kvcache(*probe, **probe_kw)
+    three_stages = "stages3" in flashcore.last_kernel("fwd")
     inputs, kw = make_case(request, "cuda", torch.bfloat16, B=B, Sq=1, Hq=32, Hkv=8, D=head_dim, capacity=1000,
                            lens=lens, causal=True)
     run_case(inputs, kw)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    if hopper and three_stages and blocks_per_sm == {64: 4, 128: 3}[head_dim]:
+        assert flashcore.last_kernel("fwd") == f"decode hdim{head_dim}", flashcore.last_kernel("fwd")
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("page_size", [16, 48, 80])
+@pytest.mark.parametrize("head_dim", [256, 160])
+def test_kvcache_run_pages_cuda(request, page_size, head_dim):
+    """Head-dim tile 256 through pages of a multiple of 16 keys: an entry whose left pad is a multiple of 16 reads
+    each tile as four 16-key runs, each inside one page, starting anywhere in it (the cp.async loader's runs); a
+    pad off a 16-key edge gathers row by row. Lengths end inside a run, on a run edge and on a page edge; NaN in
+    every slot outside the entries; 1 and 3 splits."""
+    leftpad = [16, 16, 32, 48, 0, 7, 0]
+    lens = [1000, 16 + 200, 32 + 517, 48 + 64, 777, 2 * page_size + 5, 3 * page_size]
+    inputs, kw = make_case(request, "cuda", torch.bfloat16, B=len(lens), Sq=1, Hq=32, Hkv=8, D=head_dim,
+                           capacity=1024, lens=lens, leftpad=leftpad, page_size=page_size, causal=True)
+    poison_outside_entries(inputs, kw)
+    for splits in (1, 3):
+        run_case(inputs, dict(kw, num_splits=splits), check_cache=False)
 
 
 @pytest.mark.gpu
@@ -863,7 +892,8 @@ def test_kvcache_bad_indices_stay_in_bounds_cuda(request, append, page_size, hea
     q, kc, vc = inputs
     i32 = lambda x: torch.tensor(x, dtype=torch.int32, device="cuda")
     lying_pads = [70, -3, 5, 2**31 - 1]
-    # The third set gives the entries with negative page ids keys (partial tiles, read strided through pages of 64).
+    # The third set gives the entries with negative page ids keys (partial tiles: strided through pages of 64, as
+    # 16-key runs through pages of 16 and 48 at head dim 256, gathered otherwise).
     for lens, pads in (([100, -5, 2**31 - 1, -2**31], lying_pads), ([64, 65, 63, -1], lying_pads),
                        ([40, 64, 63, 30], [0, -3, 5, 0])):
         call = dict(kw, cache_seqlens=i32(lens), cache_leftpad=i32(pads))

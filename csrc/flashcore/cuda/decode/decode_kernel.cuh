@@ -72,10 +72,11 @@ struct DecodeTraits {
   static constexpr int kAlignSlack = kTma ? 1024 : 0;
   static constexpr int kBarrierBytes = kTma ? 8 * kStages : 0;
   static constexpr int kSmemBytes = kAlignSlack + QTile::kElems * (int)sizeof(Element) + kStageBytes + kBarrierBytes;
-  // Blocks an SM the registers must allow (__launch_bounds__): a two-stage cp.async decode step keeps the residency
-  // its shared memory allows at head dims 64 (four, 128 registers) and 128 (three, 168), which the one-wave plan
-  // counts on (decode_launch.cu: 64 x 2k at head dim 64 is 512 blocks, one wave of four an SM on 132 SMs); the
-  // 16-key-run copies, when every tile had them, took these kernels to 160 and 199 registers unbounded.
+  // Blocks an SM the registers must allow (__launch_bounds__): the two-stage cp.async decode steps at head-dim
+  // tiles 64 and 128 are held to four and three (128 and 168 registers), the residency the one-wave plan counts on
+  // (decode_launch.cu: 64 x 2k at head dim 64 is 512 blocks, one wave of four an SM on 132 SMs; their shared memory
+  // would allow more). Unbounded, ptxas gives them 150 and 213 (the loader's copy forms in one kernel), which cost
+  // that row its one wave (65.6 -> 67.3 us on the H200).
   static constexpr int kMinBlocksPerSm =
       kRowsMode || kTma || kStages != 2 ? 1 : kHeadDim == 64 ? 4 : kHeadDim == 128 ? 3 : 1;
 };

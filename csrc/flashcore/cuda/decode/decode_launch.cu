@@ -145,12 +145,12 @@ void opt_in_smem(const Variant& v, const cudaDeviceProp& prop) {
 int occupancy_of(const Variant& v, const cudaDeviceProp& prop) {
   const int device = current_device();
   if (device < 64)
-    if (const int n = v.occupancy[device].load(std::memory_order_relaxed); n > 0) return n;
+    if (const int n = v.occupancy[device].load(std::memory_order_acquire); n > 0) return n;  // opt-in visible
   opt_in_smem(v, prop);
   int n = 0;
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, v.kernel, 128, v.smem_bytes));
   n = std::max(1, n);
-  if (device < 64) v.occupancy[device].store(n, std::memory_order_relaxed);
+  if (device < 64) v.occupancy[device].store(n, std::memory_order_release);
   return n;
 }
 

@@ -6,9 +6,10 @@
 // copies that need them. Page numbers read from the block table are not trusted: the cp.async loader clamps them
 // into the cache, the TMA loader lets TMA zero-fill what lies outside it.
 //   CpAsyncLoader (every arch): each thread copies 16-byte chunks of kBlockN / kRowStep rows: one stride apart
-//     where a tile (or each 16-key run of it) is consecutive rows of one cache row or page (dense caches, pages of
-//     a multiple of 16 keys), otherwise gathered through the page table one lookup a row (a lane each), so a page
-//     may hold any number of keys.
+//     where a tile is consecutive rows of one cache row or page (dense caches; pages of a multiple of 64 keys, the
+//     entry starting on a tile edge) or, at head-dim tile 256, where each 16-key run of it is (pages of a multiple
+//     of 16 keys, the entry starting on a 16-key edge); otherwise gathered through the page table one lookup a row
+//     (a lane each), so a page may hold any number of keys.
 //   TmaLoader (Hopper): thread 0 loads a tile as boxes of 64 columns x box_rows keys into the same swizzled layout
 //     (SmemTile's 128-byte rows are TMA's 128-byte swizzle) and signals the stage's mbarrier. A box never crosses a
 //     page (box_rows divides the page size; the host takes this loader only without a left pad, so the sequence
@@ -58,7 +59,7 @@ struct CpAsyncLoader {
   static constexpr int kRunRows = 16, kRuns = kBlockN / kRunRows, kItsPerRun = kRunRows / kRowStep;
   static_assert(kRunRows % kRowStep == 0 && kItsPerRun * kRuns == kRowsPerThread, "whole runs a thread");
   static_assert(kRuns == 4, "copy_rows_run dispatches four runs");
-  // Runs pay where a thread copies several rows of each (kItsPerRun 4: head-dim tile 256, pages of 16 189.7 ->
+  // Runs pay where a thread copies several rows of each (kItsPerRun 4: head-dim tile 256, pages of 16 189.9 ->
   // 131.3 us at 8 x 8k on the H200). At tiles 64 and 128 (1 and 2 rows a run) they measured no faster than the
   // gather (128: 70.9 vs 70.8 us, mixed 103.0 vs 102.0) or slower (64: 47.2 vs 43.6), so those pages gather.
   static constexpr bool kCopiesRuns = kItsPerRun >= 4;
