@@ -47,10 +47,9 @@ def _flash_window(left, right, causal, seqlen_q, seqlen_k, fn):
     unbounded; then a one-sided window gets seqlen_k on its unbounded side. The last step changes the mask where
     seqlen_q > seqlen_k + 1 (query i then sees keys up to i + 2 seqlen_k - seqlen_q only). Bounds that no query meets
     (left >= seqlen_k - 1, right >= seqlen_q - 1) go back to -1, so the op keeps its unbanded kernels. Varlen calls
-    pass max_seqlen_q/k, as flash-attn does. Values below -1 are refused (flash-attn's C++ would take them as -1)."""
-    for value, side, i in ((left, "window_left", 0), (right, "window_right", 1)):
-        if value < -1:
-            raise RuntimeError(f"{fn}: {side} (window_size[{i}]) must be -1 (unbounded) or >= 0; got {value}")
+    pass max_seqlen_q/k, as flash-attn does. A negative side is unbounded, as in flash-attn's C++ (flashcore's own
+    API refuses values below -1)."""
+    left, right = max(left, -1), max(right, -1)
     if causal:
         right = 0
     left = -1 if left >= seqlen_k else left
@@ -97,6 +96,12 @@ def _check_kv_like_q(q, kv, fn):
         raise RuntimeError(f"{fn}: kv has head dim {kv.size(-1)} but q has {q.size(-1)}")
 
 
+def _flash_softcap(softcap, fn):
+    """flash-attn's softcap: a value <= 0 turns it off ("<=0.0 means deactivate"); NaN stays an error (the op's)."""
+    softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
+    return 0.0 if softcap <= 0 else softcap
+
+
 def _check_dropout(dropout_p, fn):
     if dropout_p:
         raise NotImplementedError(f"{fn}: dropout_p={dropout_p} is not supported (flashcore has no dropout); "
@@ -117,7 +122,7 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     return_attn_probs = custom_op_flag_arg(return_attn_probs, "return_attn_probs", fn)
     sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
     left, right = _flash_window(*window_pair(window_size, fn), causal, q.size(1), k.size(1), fn)
-    softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
+    softcap = _flash_softcap(softcap, fn)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     (q, k, v), head_dim = pad_head_dim([maybe_contiguous(x) for x in (q, k, v)])
     out, lse = _fwd_op(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), float(softmax_scale), bool(causal),
@@ -184,7 +189,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     if seqused_k is not None:
         _check_tensor(seqused_k, "seqused_k", fn)
     left, right = _flash_window(*window_pair(window_size, fn), causal, max_seqlen_q, max_seqlen_k, fn)
-    softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
+    softcap = _flash_softcap(softcap, fn)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
     if block_table is not None:
@@ -264,7 +269,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """q (total_q, nheads, headdim), k and v (total_k, nheads_k, headdim): sequences packed along the first dim,
     sequence b at rows cu_seqlens_q[b]:cu_seqlens_q[b+1] (int32, (batch + 1,)). Causal and windows align
     bottom-right in each sequence. Returns out (total_q, nheads, headdim), or (out, softmax_lse (nheads, total_q),
-    None) with return_attn_probs=True. block_table (int32 (batch, max_num_blocks_per_seq)) makes k and v paged
+    S_dmask) with return_attn_probs=True, S_dmask empty as in flash_attn_func. block_table (int32 (batch, max_num_blocks_per_seq)) makes k and v paged
     caches (num_blocks, page_block_size, nheads_k, headdim) as in flash-attn: sequence b's keys are the first
     cu_seqlens_k[b+1] - cu_seqlens_k[b] of its pages (paged prefill; forward only)."""
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
@@ -752,7 +757,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     right = -1 if right >= capacity else right
     local = left >= 0 or right >= 0
     left, right = _flash_window(left, right, causal, Sq, capacity, fn)
-    softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
+    softcap = _flash_softcap(softcap, fn)
     softmax_scale = _scale(softmax_scale, D, fn)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
 

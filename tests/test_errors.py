@@ -306,7 +306,7 @@ def test_kvcache_refused_call_leaves_the_cache_unchanged():
     k0, v0 = kc.clone(), vc.clone()
     new = (torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16))
     bad = [({"sinks": torch.randn(3)}, "sinks"), ({"alibi_slopes": torch.randn(2, 5)}, "alibi_slopes"),
-           ({"softcap": -1.0}, "softcap"), ({"cache_leftpad": torch.tensor([0, 9], dtype=torch.int32)},
+           ({"softcap": float("nan")}, "softcap"), ({"cache_leftpad": torch.tensor([0, 9], dtype=torch.int32)},
                                               "cache_leftpad"),
            ({"cache_batch_idx": torch.tensor([0, 5], dtype=torch.int32)}, "cache_batch_idx"),
            ({"num_splits": 300}, "num_splits")]

@@ -148,8 +148,9 @@ def test_lower_level_forward_backward(window):
 
 def test_window_and_float_arguments():
     """A window side past any length is unbounded (not an overflow of the kernels' 64-bit diagonals); fractional
-    windows, sides below -1 (also through the flash-attn interface, whose C++ original would take them as -1),
-    non-numeric or float32-overflowing softcap and scale raise, naming the argument."""
+    windows, non-numeric or float32-overflowing softcap and scale raise, naming the argument. Sides below -1 raise
+    in flashcore's own API; the flash-attn interface takes any negative side as unbounded and a softcap <= 0 as
+    off, as flash-attn's C++ does."""
     q, k, v = _inputs(1, 5, 7, H=2, Hk=2)
     qb, kb, vb = (x.transpose(1, 2) for x in (q, k, v))
     want = flashcore.attention(qb, kb, vb)
@@ -164,11 +165,18 @@ def test_window_and_float_arguments():
     torch.testing.assert_close(got, want.transpose(1, 2)[0], rtol=1e-12, atol=1e-12)
     with pytest.raises(TypeError, match="window_size must be a pair"):
         flashcore.attention(qb, kb, vb, window_size=(1.7, 1))
-    for window, side in (((-5, 3), "window_left"), ((3, -7), "window_right")):
-        with pytest.raises(RuntimeError, match=side):
-            flashcore.flash_attn_func(q, k, v, window_size=window)
-        with pytest.raises(RuntimeError, match=side):
-            flashcore.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 5, 7, window_size=window)
+    for window, unbounded in (((-5, 3), (-1, 3)), ((3, -7), (3, -1)), ((-2, -2), (-1, -1))):
+        with pytest.raises(RuntimeError, match="window_left" if window[0] < -1 else "window_right"):
+            flashcore.attention(qb, kb, vb, window_size=window)
+        torch.testing.assert_close(flashcore.flash_attn_func(q, k, v, window_size=window),
+                                   flashcore.flash_attn_func(q, k, v, window_size=unbounded), rtol=0, atol=0)
+        torch.testing.assert_close(
+            flashcore.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 5, 7, window_size=window),
+            flashcore.flash_attn_varlen_func(q[0], k[0], v[0], cu_q, cu_k, 5, 7, window_size=unbounded), rtol=0, atol=0)
+    for cap in (-1.0, -float("inf"), 0):
+        torch.testing.assert_close(flashcore.flash_attn_func(q, k, v, softcap=cap), want.transpose(1, 2), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="softcap"):
+        flashcore.flash_attn_func(q, k, v, softcap=float("nan"))
     with pytest.raises(TypeError, match="softcap"):
         flashcore.attention(qb, kb, vb, softcap="x")
     with pytest.raises(ValueError, match="softcap"):
@@ -231,6 +239,22 @@ def test_kvcache_is_outside_autograd():
         assert not out.requires_grad and out.grad_fn is None
         assert k_cache.grad_fn is None and not k_cache.requires_grad and v_cache.grad_fn is None
     assert torch.count_nonzero(k_cache[0, :3]) > 0 and torch.count_nonzero(k_cache[0, 3:]) == 0
+
+
+def test_kvcache_window_and_softcap_as_flash_attn():
+    """flash_attn_with_kvcache takes a negative window side as unbounded and a softcap <= 0 as off, as flash-attn's
+    mha_fwd_kvcache does; a NaN softcap raises, naming it."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(2, 3, 4, D, generator=g, dtype=torch.float64)
+    k_cache, v_cache = (torch.randn(2, 20, 2, D, generator=g, dtype=torch.float64) for _ in range(2))
+    lens = torch.tensor([9, 20], dtype=torch.int32)
+    call = lambda **kw: flashcore.flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens, **kw)
+    torch.testing.assert_close(call(window_size=(-3, -2)), call(), rtol=0, atol=0)
+    torch.testing.assert_close(call(window_size=(4, -9), causal=True), call(window_size=(4, -1), causal=True),
+                               rtol=0, atol=0)
+    torch.testing.assert_close(call(softcap=-2.0), call(softcap=0.0), rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="softcap"):
+        call(softcap=float("nan"))
 
 
 def test_paged_varlen_backward_raises():
