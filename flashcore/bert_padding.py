@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 __all__ = ["index_first_axis", "index_put_first_axis", "unpad_input", "unpad_input_for_concatenated_sequences",
-           "pad_input"]
+           "pad_input", "IndexFirstAxis", "IndexPutFirstAxis"]
 
 
 def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
@@ -29,6 +29,16 @@ def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis
     """A (first_axis_dim, ...) tensor of zeros with values[i] at row indices[i] (the inverse of index_first_axis)."""
     output = values.new_zeros((first_axis_dim, *values.shape[1:]))
     return output.index_copy(0, indices, values)
+
+
+class IndexFirstAxis:
+    """flash-attn's autograd-function name for index_first_axis: IndexFirstAxis.apply(input, indices)."""
+    apply = staticmethod(index_first_axis)
+
+
+class IndexPutFirstAxis:
+    """flash-attn's autograd-function name for index_put_first_axis: IndexPutFirstAxis.apply(values, indices, n)."""
+    apply = staticmethod(index_put_first_axis)
 
 
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask: torch.Tensor | None = None):

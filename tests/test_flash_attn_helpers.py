@@ -147,3 +147,92 @@ def test_kvcache_rotary_matches_apply_rotary_emb():
         for b in range(B):
             s = int(lens[b])
             torch.testing.assert_close(kc[b, s:s + Sn], k_rot[b], rtol=1e-12, atol=1e-12)
+
+
+def _rotate_reference(x, cos, sin, offsets, interleaved):
+    """x (B, S, H, D) rotated at rows s + offsets[b] of cos/sin by flash-attn's PyTorch reference, row by row."""
+    rows = [apply_rotary_emb_torch(x[b:b + 1], cos[offsets[b]:offsets[b] + x.shape[1]],
+                                   sin[offsets[b]:offsets[b] + x.shape[1]], interleaved) for b in range(x.shape[0])]
+    return torch.cat(rows)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["3heads", "gqa"])
+def test_apply_rotary_emb_qkv_and_kv_in_place(interleaved, layout):
+    """flash-attn's in-place packed forms: apply_rotary_emb_qkv_ rotates Q and K of a packed qkv ((B, S, 3, H, D), or
+    (B, S, Hq + 2 Hk, D) with num_heads_q) and leaves V; cos_k/sin_k rotate K apart (XPos); apply_rotary_emb_kv_
+    rotates K of (B, S, 2, H, D); gradients flow through the in-place writes."""
+    from flashcore.layers.rotary import apply_rotary_emb_kv_, apply_rotary_emb_qkv_
+    g = torch.Generator().manual_seed(4)
+    B, S, D, ro = 2, 5, 16, 12
+    cos, sin = torch.randn(S + 3, ro // 2, generator=g, dtype=torch.float64), torch.randn(S + 3, ro // 2, generator=g,
+                                                                                          dtype=torch.float64)
+    cos_k, sin_k = cos * 0.5, sin * 0.5
+    offsets = torch.tensor([0, 3])
+    shape, nq = ((B, S, 3, 2, D), None) if layout == "3heads" else ((B, S, 4 + 2 * 2, D), 4)
+    base = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+    qkv = base * 1.0  # a non-leaf, so the in-place rotation is recorded by autograd
+    q0, k0, v0 = (base[:, :, i] for i in range(3)) if nq is None else (base[:, :, :4], base[:, :, 4:6], base[:, :, 6:])
+    out = apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, interleaved=interleaved, seqlen_offsets=offsets,
+                                num_heads_q=nq)
+    assert out is qkv
+    q1, k1, v1 = (out[:, :, i] for i in range(3)) if nq is None else (out[:, :, :4], out[:, :, 4:6], out[:, :, 6:])
+    torch.testing.assert_close(q1, _rotate_reference(q0, cos, sin, offsets.tolist(), interleaved))
+    torch.testing.assert_close(k1, _rotate_reference(k0, cos_k, sin_k, offsets.tolist(), interleaved))
+    torch.testing.assert_close(v1, v0, rtol=0, atol=0)
+    (grad,) = torch.autograd.grad(out.sum(), base)
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    kv = torch.randn(B, S, 2, 2, D, generator=g, dtype=torch.float64)
+    k_want = _rotate_reference(kv[:, :, 0], cos, sin, [0, 0], interleaved)
+    v_want = kv[:, :, 1].clone()
+    assert apply_rotary_emb_kv_(kv, cos, sin, interleaved=interleaved) is kv
+    torch.testing.assert_close(kv[:, :, 0], k_want)
+    torch.testing.assert_close(kv[:, :, 1], v_want, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="num_heads_q"):
+        apply_rotary_emb_qkv_(torch.zeros(B, S, 8, D), cos, sin)
+
+
+@pytest.mark.parametrize("scale_base", [None, 8.0])
+def test_rotary_embedding_module(scale_base):
+    """flash-attn's RotaryEmbedding: tables of cos/sin of position x base^(-2i/dim) (float32, in the input's dtype),
+    with XPos's scale (Q up, K down) when scale_base is given; forward rotates qkv in place (or q and kv), taking
+    seqlen_offset as an int or a (batch,) tensor with max_seqlen."""
+    from flashcore.layers.rotary import RotaryEmbedding
+    g = torch.Generator().manual_seed(6)
+    B, S, H, D, dim = 2, 6, 3, 16, 8
+    rope = RotaryEmbedding(dim, base=100.0, interleaved=False, scale_base=scale_base)
+    qkv = torch.randn(B, S, 3, H, D, generator=g)
+    want_qkv = qkv.clone()
+    rope(qkv, seqlen_offset=2)
+    t = torch.arange(S + 2, dtype=torch.float32)
+    freqs = torch.outer(t, 1.0 / 100.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    cos, sin = torch.cos(freqs), torch.sin(freqs)
+    cos_k, sin_k = cos, sin
+    if scale_base is not None:
+        scale = (torch.arange(0, dim, 2, dtype=torch.float32) + 0.4 * dim) / (1.4 * dim)
+        xpos = scale ** ((t - (S + 2) // 2) / scale_base)[:, None]
+        cos, sin, cos_k, sin_k = cos * xpos, sin * xpos, cos / xpos, sin / xpos
+    torch.testing.assert_close(qkv[:, :, 0], _rotate_reference(want_qkv[:, :, 0], cos, sin, [2, 2], False))
+    torch.testing.assert_close(qkv[:, :, 1], _rotate_reference(want_qkv[:, :, 1], cos_k, sin_k, [2, 2], False))
+    torch.testing.assert_close(qkv[:, :, 2], want_qkv[:, :, 2], rtol=0, atol=0)
+    # q and kv apart, a tensor offset (the tables grown to max_seqlen first)
+    q, kv = torch.randn(B, S, H, D, generator=g), torch.randn(B, S, 2, H, D, generator=g)
+    q0, kv0 = q.clone(), kv.clone()
+    rope2 = RotaryEmbedding(dim, base=100.0, interleaved=True)
+    q_out, kv_out = rope2(q, kv, seqlen_offset=torch.tensor([1, 4]), max_seqlen=S + 4)
+    assert q_out is q and kv_out is kv
+    t = torch.arange(S + 4, dtype=torch.float32)
+    freqs = torch.outer(t, 1.0 / 100.0 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    torch.testing.assert_close(q, _rotate_reference(q0, torch.cos(freqs), torch.sin(freqs), [1, 4], True))
+    torch.testing.assert_close(kv[:, :, 0], _rotate_reference(kv0[:, :, 0], torch.cos(freqs), torch.sin(freqs),
+                                                               [1, 4], True))
+    torch.testing.assert_close(kv[:, :, 1], kv0[:, :, 1], rtol=0, atol=0)
+
+
+def test_padding_function_classes():
+    """flash-attn's IndexFirstAxis / IndexPutFirstAxis names: .apply as the functions."""
+    from flashcore.bert_padding import IndexFirstAxis, IndexPutFirstAxis
+    x = torch.arange(12.0).view(6, 2)
+    idx = torch.tensor([4, 1])
+    assert torch.equal(IndexFirstAxis.apply(x, idx), x[idx])
+    assert torch.equal(IndexPutFirstAxis.apply(x[idx], idx, 6)[idx], x[idx])

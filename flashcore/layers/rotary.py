@@ -1,4 +1,4 @@
-"""flash-attn 2.x's rotary embedding functions (`flash_attn.layers.rotary`), in PyTorch ops:
+"""flash-attn 2.x's rotary embedding functions and module (`flash_attn.layers.rotary`), in PyTorch ops:
 
     from flashcore.layers.rotary import apply_rotary_emb   # was: from flash_attn.layers.rotary import ...
     q = apply_rotary_emb(q, cos, sin, interleaved=False, seqlen_offsets=cache_seqlens)
@@ -17,7 +17,8 @@ import torch
 
 from ..ops import packed_rows
 
-__all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_torch", "rotate_half", "rotate_rows"]
+__all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_torch", "apply_rotary_emb_qkv_",
+           "apply_rotary_emb_kv_", "RotaryEmbedding", "rotate_half", "rotate_rows"]
 
 
 def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -113,3 +114,113 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
 
 # flash-attn's older name
 apply_rotary_emb_func = apply_rotary_emb
+
+
+def _q_and_k(qkv: torch.Tensor, num_heads_q: int | None, fn: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Views of Q and K in a packed qkv: (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 *
+    num_heads_k, headdim) with num_heads_q (MQA / GQA)."""
+    if qkv.dim() == 5:
+        if qkv.shape[2] != 3:
+            raise ValueError(f"{fn}: qkv (batch, seqlen, 3, nheads, headdim) must have 3 at dim 2; got shape "
+                             f"{tuple(qkv.shape)}")
+        return qkv[:, :, 0], qkv[:, :, 1]
+    if qkv.dim() != 4 or num_heads_q is None:
+        raise ValueError(f"{fn}: qkv must be (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 "
+                         f"* num_heads_k, headdim) with num_heads_q given; got shape {tuple(qkv.shape)} and "
+                         f"num_heads_q={num_heads_q}")
+    num_heads_k = (qkv.shape[2] - num_heads_q) // 2
+    if num_heads_q <= 0 or num_heads_k <= 0 or qkv.shape[2] != num_heads_q + 2 * num_heads_k:
+        raise ValueError(f"{fn}: qkv's {qkv.shape[2]} heads are not num_heads_q + 2 * num_heads_k with num_heads_q="
+                         f"{num_heads_q}")
+    return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + num_heads_k]
+
+
+def apply_rotary_emb_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cos_k: torch.Tensor | None = None,
+                          sin_k: torch.Tensor | None = None, interleaved: bool = False,
+                          seqlen_offsets: int | torch.Tensor = 0, num_heads_q: int | None = None) -> torch.Tensor:
+    """Rotates Q and K of a packed qkv in place (V untouched) and returns qkv: (batch, seqlen, 3, nheads, headdim),
+    or (batch, seqlen, num_heads_q + 2 * num_heads_k, headdim) with num_heads_q. K takes cos_k/sin_k where given
+    (XPos), else cos/sin; seqlen_offsets as in apply_rotary_emb."""
+    q, k = _q_and_k(qkv, num_heads_q, "apply_rotary_emb_qkv_")
+    apply_rotary_emb(q, cos, sin, interleaved, inplace=True, seqlen_offsets=seqlen_offsets)
+    apply_rotary_emb(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k, interleaved, inplace=True,
+                     seqlen_offsets=seqlen_offsets)
+    return qkv
+
+
+def apply_rotary_emb_kv_(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                         seqlen_offsets: int | torch.Tensor = 0) -> torch.Tensor:
+    """Rotates K of a packed kv (batch, seqlen, 2, nheads, headdim) in place (V untouched) and returns kv."""
+    if kv.dim() != 5 or kv.shape[2] != 2:
+        raise ValueError(f"apply_rotary_emb_kv_: kv must be (batch, seqlen, 2, nheads, headdim); got shape "
+                         f"{tuple(kv.shape)}")
+    apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved, inplace=True, seqlen_offsets=seqlen_offsets)
+    return kv
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """flash-attn's rotary module (RoFormer's rotary position embedding; XPos with scale_base): forward(qkv, kv=None,
+    seqlen_offset=0, max_seqlen=None, num_heads_q=None) rotates Q and K in place and returns qkv, or (q, kv) when kv
+    is given. The cos/sin tables cover positions [0, seqlen + seqlen_offset) (or max_seqlen when given: a tensor
+    offset needs it to grow them), computed in float32 and rounded to the input's dtype, and are rebuilt when the
+    length grows, the device or dtype changes, or an inference-mode table meets training."""
+
+    def __init__(self, dim: int, base: float = 10000.0, interleaved: bool = False, scale_base: float | None = None,
+                 device=None):
+        super().__init__()
+        self.dim = dim
+        self.base = float(base)
+        self.interleaved = interleaved
+        self.scale_base = scale_base
+        self.register_buffer("inv_freq", self._inv_freq(device), persistent=False)
+        self.register_buffer("scale", self._xpos_scale(device) if scale_base is not None else None, persistent=False)
+        self._seq_len_cached = 0
+        self._cos_cached = self._sin_cached = self._cos_k_cached = self._sin_k_cached = None
+
+    def _inv_freq(self, device=None) -> torch.Tensor:
+        exponents = torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) / self.dim
+        return 1.0 / self.base ** exponents
+
+    def _xpos_scale(self, device=None) -> torch.Tensor:
+        return (torch.arange(0, self.dim, 2, device=device, dtype=torch.float32) + 0.4 * self.dim) / (1.4 * self.dim)
+
+    def _update_cos_sin_cache(self, seqlen: int, device=None, dtype=None):
+        cached = self._cos_cached
+        if not (seqlen > self._seq_len_cached or cached is None or cached.device != device or cached.dtype != dtype
+                or (self.training and cached.is_inference())):
+            return
+        self._seq_len_cached = seqlen
+        # float32 angles: positions times frequencies lose too much in a half-precision buffer (a module cast
+        # with .half() has its buffers cast too, so they are recomputed here when not float32)
+        inv_freq = self.inv_freq if self.inv_freq.dtype == torch.float32 else self._inv_freq(device)
+        t = torch.arange(seqlen, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv_freq.to(device))
+        cos, sin = torch.cos(freqs), torch.sin(freqs)
+        if self.scale is None:
+            self._cos_cached, self._sin_cached = cos.to(dtype), sin.to(dtype)
+            return
+        scale = self.scale if self.scale.dtype == torch.float32 else self._xpos_scale(self.scale.device)
+        power = (torch.arange(seqlen, dtype=torch.float32, device=scale.device) - seqlen // 2) / self.scale_base
+        xpos = (scale.to(power.device) ** power[:, None]).to(device)  # Q's rows scaled up, K's down
+        self._cos_cached, self._sin_cached = (cos * xpos).to(dtype), (sin * xpos).to(dtype)
+        self._cos_k_cached, self._sin_k_cached = (cos / xpos).to(dtype), (sin / xpos).to(dtype)
+
+    def forward(self, qkv: torch.Tensor, kv: torch.Tensor | None = None, seqlen_offset: int | torch.Tensor = 0,
+                max_seqlen: int | None = None, num_heads_q: int | None = None):
+        seqlen = qkv.shape[1]
+        if max_seqlen is not None:
+            self._update_cos_sin_cache(max_seqlen, device=qkv.device, dtype=qkv.dtype)
+        elif isinstance(seqlen_offset, int):
+            self._update_cos_sin_cache(seqlen + seqlen_offset, device=qkv.device, dtype=qkv.dtype)
+        xpos = self.scale is not None
+        if kv is None:
+            return apply_rotary_emb_qkv_(qkv, self._cos_cached, self._sin_cached,
+                                         self._cos_k_cached if xpos else None, self._sin_k_cached if xpos else None,
+                                         interleaved=self.interleaved, seqlen_offsets=seqlen_offset,
+                                         num_heads_q=num_heads_q)
+        q = apply_rotary_emb(qkv, self._cos_cached, self._sin_cached, interleaved=self.interleaved, inplace=True,
+                             seqlen_offsets=seqlen_offset)
+        kv = apply_rotary_emb_kv_(kv, self._cos_k_cached if xpos else self._cos_cached,
+                                  self._sin_k_cached if xpos else self._sin_cached, interleaved=self.interleaved,
+                                  seqlen_offsets=seqlen_offset)
+        return q, kv
