@@ -235,7 +235,7 @@ def test_patterns_flashcore_cannot_apply_raise():
         vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, dropout_rate=0.0,
         pad_token_id=0, eos_token_id=2, decoder_start_token_id=0), fct.NAME)
     ids, mask = prompts([9, 9])
-    with pytest.raises(NotImplementedError, match="position_bias"), torch.no_grad():
+    with pytest.raises(NotImplementedError, match="position_bias"), torch.no_grad():  # refused by its flags
         t5(input_ids=ids, attention_mask=mask, decoder_input_ids=ids[:, :3])
 
     llama4 = _seeded(AutoModelForCausalLM, T.Llama4TextConfig(
@@ -568,3 +568,36 @@ def test_compile_fullgraph():
     compiled = torch.compile(got, fullgraph=True)
     torch.testing.assert_close(compiled(ids, use_cache=False).logits, ref(ids, use_cache=False).logits, rtol=1e-4,
                                atol=1e-4)
+
+
+def test_compile_refuses_packed_position_ids_without_boundaries():
+    """Under torch.compile the backend cannot read position_ids on the host: a flattened batch described by
+    position_ids alone (DataCollatorWithFlattening's default) raises, naming the kwargs that pack it, instead of
+    attending across its sequences; the same batch with the cu_seq_lens kwargs compiles and matches eager."""
+    ref, got = pair("llama")
+    lengths = [7, 5, 9]
+    ids = prompts(lengths)[0]
+    rows = [{"input_ids": ids[b, :n].tolist()} for b, n in enumerate(lengths)]
+    flat = DataCollatorWithFlattening(return_tensors="pt")(rows)
+    compiled = torch.compile(got)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="position_ids restart inside a row"):
+        compiled(input_ids=flat["input_ids"], position_ids=flat["position_ids"], use_cache=False)
+    kw = DataCollatorWithFlattening(return_flash_attn_kwargs=True, return_tensors="pt")(rows)
+    kw.pop("labels", None)
+    with torch.no_grad():
+        want = ref(input_ids=kw["input_ids"], position_ids=kw["position_ids"], use_cache=False).logits
+        torch.testing.assert_close(compiled(**kw, use_cache=False).logits, want, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("config", ["bloom", "xglm"])
+def test_models_outside_the_attention_interface_raise(config):
+    """BLOOM and XGLM compute attention themselves and would add this backend's padding mask (None when nothing is
+    padded) to their scores, silently non-causal; transformers accepts the registered name for them, so the
+    backend's mask function refuses them, naming the model."""
+    import transformers as T
+
+    cfg = {"bloom": lambda: T.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4),
+           "xglm": lambda: T.XGLMConfig(vocab_size=64, d_model=32, num_layers=2, attention_heads=4, ffn_dim=64)}[config]()
+    model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=fct.NAME)
+    with pytest.raises(NotImplementedError, match="compute attention themselves"):  # the message names both cases
+        model(torch.randint(0, 64, (1, 8)))

@@ -33,7 +33,8 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
   whose masks do not see position_ids (GPT-OSS), where they restart, flash_attention_2's rule. Either runs the
   varlen op. The mask function's parts are read outside tracing only, so under torch.compile only the
   cu_seq_lens kwargs pack (a plain forward then compiles with fullgraph=True; flash_attention_2's own
-  position_ids check breaks the graph).
+  position_ids check breaks the graph); position_ids that restart inside a row without them raise there (a
+  device-side check) rather than attend across the sequences.
 * ``sliding_window=w``: query i sees keys i - w + 1 .. i (flash-attn's window_size=(w - 1, w - 1), exactly as
   transformers' flash_attention_2 converts it; w keys in all, transformers' mask convention).
 * ``softcap`` (Gemma 2), ``s_aux`` (GPT-OSS's attention sinks, differentiable), ``scaling``, GQA/MQA (k/v with fewer
@@ -190,6 +191,34 @@ def _packed_sequence_ids(parts):
     return None
 
 
+_ATTENTION_INTERFACE_MODELS: dict = {}  # config class -> whether its model runs attention through AttentionInterface
+
+
+def _check_model_uses_attention_interface(config):
+    """Models that declare neither _supports_attention_backend nor _supports_flash_attn (BLOOM, XGLM, MPT, T5, ...)
+    either compute attention themselves, adding this backend's padding mask (None, or 2-D) to their scores as if it
+    were theirs (dropping causality), or pass terms no backend applies; transformers accepts a registered
+    attn_implementation for them, so refuse here."""
+    if config is None:
+        return
+    key = type(config)
+    if key not in _ATTENTION_INTERFACE_MODELS:
+        try:
+            from transformers.models.auto.modeling_auto import MODEL_MAPPING
+            model_class = MODEL_MAPPING[key]
+        except Exception:  # not an auto-mapped config (a custom model): nothing to check against
+            model_class = None
+        _ATTENTION_INTERFACE_MODELS[key] = model_class is None or bool(
+            getattr(model_class, "_supports_attention_backend", False) or getattr(model_class, "_supports_flash_attn",
+                                                                                  False))
+    if not _ATTENTION_INTERFACE_MODELS[key]:
+        raise NotImplementedError(
+            f"attn_implementation={NAME!r}: {key.__name__.removesuffix('Config')} models declare no support for "
+            "transformers' attention backends (_supports_attention_backend, _supports_flash_attn): they compute "
+            "attention themselves or pass it terms a backend cannot apply (T5's position_bias); use "
+            "attn_implementation='eager' (or 'sdpa' where the model supports it)")
+
+
 def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,
                  attention_mask=None, **kwargs):
     """The mask function registered with AttentionMaskInterface: the 2-D (batch, kv_len) bool padding mask sliced to
@@ -201,6 +230,8 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     Gemma 3 images) and custom and_mask_function restrictions."""
     # Under torch.compile the mask function is a closure built inside the traced code, whose parts dynamo cannot
     # inspect: the patterns are checked in eager calls only (run a model once eagerly to validate it).
+    if not torch.compiler.is_compiling():
+        _check_model_uses_attention_interface(kwargs.get("config"))
     if mask_function is not None and not torch.compiler.is_compiling():
         parts = _mask_parts(mask_function)
         _check_mask_function(parts, kv_length, kv_offset, kwargs)
@@ -268,6 +299,25 @@ def _packed_from_position_ids(position_ids, batch_size, seq_len):
     if not bool((steps < 0).any()):
         return None
     return F.pad((steps != 1).cumsum(-1, dtype=torch.int32), (1, 0))
+
+
+_PACKED_UNDER_COMPILE = (
+    f"attn_implementation={NAME!r} under torch.compile: position_ids restart inside a row (packed sequences) but no "
+    "cu_seq_lens_q/k and max_length_q/k kwargs were given; pass them (DataCollatorWithFlattening("
+    "return_flash_attn_kwargs=True)) or run the model eagerly"
+)
+
+
+def _restarts_in_graph(position_ids, batch_size, seq_len):
+    """Under tracing: a 0-d bool tensor, whether position_ids (batch, seq_len) restart somewhere (flash_attention_2's
+    packing test, _packed_from_position_ids's), or None where they cannot describe packed rows."""
+    if position_ids is None or not isinstance(position_ids, torch.Tensor) or seq_len <= 1:
+        return None
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.dim() != 2 or position_ids.shape[-1] != seq_len or position_ids.shape[0] not in (1, batch_size):
+        return None
+    return (torch.diff(position_ids, dim=-1) < 0).any()
 
 
 def _packed_from_sequence_ids(ids):
@@ -436,6 +486,13 @@ def attention_forward(
         cu, max_len = _packed_from_sequence_ids(packed_ids)
         out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
                                 cu, cu, max_len, max_len, **varlen).view(B, Sq, Hq, D)
+    elif (Sq == Sk and torch.compiler.is_compiling()
+          and (restarts := _restarts_in_graph(position_ids, B, Sq)) is not None):
+        # Under torch.compile the restart test above cannot read the ids on the host, and a graph with both forms
+        # (torch.cond) did not compile (inductor mislaid the branches' operand strides). Packed rows without the
+        # cu_seq_lens kwargs would attend across their sequences here: the device refuses them instead.
+        torch._assert_async(~restarts, _PACKED_UNDER_COMPILE)
+        out = _attention(query, key, value, enable_gqa=Hq != Hkv, **options).transpose(1, 2)
     elif Sq == Sk or (not is_causal and window is None):
         # Dense: top-left and bottom-right alignment agree; BHSD views are read in place.
         out = _attention(query, key, value, enable_gqa=Hq != Hkv, **options).transpose(1, 2)
