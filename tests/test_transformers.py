@@ -601,3 +601,16 @@ def test_models_outside_the_attention_interface_raise(config):
     model = T.AutoModelForCausalLM.from_config(cfg, attn_implementation=fct.NAME)
     with pytest.raises(NotImplementedError, match="compute attention themselves"):  # the message names both cases
         model(torch.randint(0, 64, (1, 8)))
+
+
+def test_target_dtype_of_quantized_models():
+    """A float32 query (fp32 norms of a k-bit training setup) on a quantized model runs in the config's compute
+    dtype, as transformers' flash-attn backend picks it, not its first Linear's storage dtype (uint8 there)."""
+    module = torch.nn.Module()
+    module.proj = torch.nn.Linear(4, 4)
+    module.proj.weight = torch.nn.Parameter(torch.zeros(4, 4, dtype=torch.uint8), requires_grad=False)
+    module.config = type("Config", (), {"_is_quantized": True, "dtype": torch.bfloat16})()
+    assert fct._target_dtype(torch.zeros(1), module) == torch.bfloat16
+    module.config._is_quantized = False
+    with pytest.raises(TypeError, match="float16 or bfloat16"):
+        fct._target_dtype(torch.zeros(1), module)

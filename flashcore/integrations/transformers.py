@@ -274,6 +274,11 @@ def _target_dtype(query: torch.Tensor, module) -> torch.dtype:
         dtype = torch.get_autocast_dtype(device_type)
         if dtype in _HALF:
             return dtype
+    config = getattr(module, "config", None)
+    if config is not None and getattr(config, "_is_quantized", False):  # quantized weights (uint8 / int8 storage)
+        dtype = getattr(config, "dtype", None)  # the compute dtype, as transformers' flash-attn backend takes it
+        if dtype in _HALF:
+            return dtype
     weight = next((m.weight for m in module.modules() if isinstance(m, torch.nn.Linear)), None)
     if weight is not None and weight.dtype in _HALF:
         return weight.dtype
