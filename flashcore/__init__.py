@@ -27,6 +27,8 @@ from .flash_attn_interface import (  # noqa: E402  (flash-attn's package exports
     flash_attn_with_kvcache,
 )
 
+from .flash_attn_alias import install_flash_attn_alias  # noqa: E402
+
 __version__ = "0.1.0"
 
 
@@ -43,4 +45,5 @@ __all__ = [
     "attention", "varlen_attention", "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func",
     "flash_attn_varlen_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func",
     "flash_attn_with_kvcache", "fwd_kernel_name", "bwd_kernel_name", "last_kernel", "cuda_available",
+    "install_flash_attn_alias",
 ]

@@ -322,3 +322,37 @@ def test_paged_varlen_lengths_past_the_pages_name_the_argument():
     out = fai.flash_attn_varlen_func(q, pages, pages, cu_q, torch.tensor([0, 32], dtype=torch.int32), 5, 32,
                                      block_table=bt)
     assert torch.isfinite(out).all()
+
+
+def test_flash_attn_alias_runs_flash_attn_imports():
+    """install_flash_attn_alias(): code importing flash_attn (the package, its interface, bert_padding and
+    layers.rotary) runs on flashcore unchanged; idempotent; a flash_attn imported before is refused. In a
+    subprocess, so the alias does not leak into the other tests."""
+    import subprocess
+    import sys
+    code = r'''
+import sys, types, torch, flashcore
+fa = flashcore.install_flash_attn_alias()
+assert flashcore.install_flash_attn_alias() is fa
+import flash_attn
+from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
+from flash_attn.flash_attn_interface import _flash_attn_forward
+from flash_attn.bert_padding import unpad_input, pad_input
+from flash_attn.layers.rotary import apply_rotary_emb, RotaryEmbedding
+major_minor = tuple(int(x) for x in flash_attn.__version__.split("+")[0].split(".")[:2])
+assert major_minor >= (2, 8) and flash_attn_func is flashcore.flash_attn_func
+q, k, v = (torch.randn(2, 5, 4, 16, dtype=torch.float64) for _ in range(3))
+out = flash_attn_func(q, k, v, causal=True)
+want = flashcore.attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True).transpose(1, 2)
+torch.testing.assert_close(out, want, rtol=0, atol=0)
+del sys.modules["flash_attn"]
+sys.modules["flash_attn"] = types.ModuleType("flash_attn")
+try:
+    flashcore.install_flash_attn_alias()
+    raise SystemExit("a foreign flash_attn was replaced")
+except RuntimeError as e:
+    assert "already imported" in str(e)
+print("ok")
+'''
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr

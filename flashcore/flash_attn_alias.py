@@ -1,0 +1,54 @@
+"""Code written for flash-attn 2.x, unchanged: install_flash_attn_alias() makes `import flash_attn` (and its
+`flash_attn_interface`, `bert_padding` and `layers.rotary` modules) resolve to flashcore's implementations of them.
+
+    import flashcore
+    flashcore.install_flash_attn_alias()
+    from flash_attn import flash_attn_func                     # flashcore.flash_attn_interface.flash_attn_func
+    from flash_attn.bert_padding import unpad_input, pad_input
+    from flash_attn.layers.rotary import RotaryEmbedding
+
+Opt-in, never on import: a real flash-attn already imported in the process is refused (the two would mix), and
+one importable but not yet imported is shadowed for this process only. The alias reports flash-attn's version as
+the interface's, with a local label ("2.8.4+flashcore"), so code that gates features on it sees 2.8's.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+
+FLASH_ATTN_VERSION = "2.8.4+flashcore"  # the flash-attn release whose interface flashcore follows
+
+
+def install_flash_attn_alias() -> types.ModuleType:
+    """Registers `flash_attn`, `flash_attn.flash_attn_interface`, `flash_attn.bert_padding`, `flash_attn.layers`
+    and `flash_attn.layers.rotary` in sys.modules (idempotent) and returns the `flash_attn` alias."""
+    from . import bert_padding, flash_attn_interface
+    from .layers import rotary
+
+    current = sys.modules.get("flash_attn")
+    if current is not None:
+        if getattr(current, "__flashcore_alias__", False):
+            return current
+        raise RuntimeError(
+            "install_flash_attn_alias: a flash_attn package is already imported in this process "
+            f"({getattr(current, '__file__', current)!r}); flashcore will not replace it")
+    package = types.ModuleType("flash_attn", "flashcore's implementation of flash-attn 2.x's interface")
+    package.__flashcore_alias__ = True
+    package.__version__ = FLASH_ATTN_VERSION
+    package.__path__ = []  # a package: its submodules resolve through sys.modules
+    for name in ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
+                 "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"):
+        setattr(package, name, getattr(flash_attn_interface, name))
+    layers = types.ModuleType("flash_attn.layers", "flashcore.layers")
+    layers.__path__ = []
+    layers.rotary = rotary
+    package.flash_attn_interface, package.bert_padding, package.layers = flash_attn_interface, bert_padding, layers
+    sys.modules.update({
+        "flash_attn": package,
+        "flash_attn.flash_attn_interface": flash_attn_interface,
+        "flash_attn.bert_padding": bert_padding,
+        "flash_attn.layers": layers,
+        "flash_attn.layers.rotary": rotary,
+    })
+    return package
