@@ -289,19 +289,25 @@ def _target_dtype(query: torch.Tensor, module) -> torch.dtype:
     )
 
 
+def _position_steps(position_ids, batch_size, seq_len):
+    """torch.diff of position_ids (batch, seq_len) along the tokens, or None where they cannot describe packed rows
+    (none given, one token, or another shape: e.g. the 3-D multimodal rotary ids of Qwen2-VL)."""
+    if position_ids is None or not isinstance(position_ids, torch.Tensor) or seq_len <= 1:
+        return None
+    if position_ids.dim() == 1:
+        position_ids = position_ids.unsqueeze(0)
+    if position_ids.dim() != 2 or position_ids.shape[-1] != seq_len or position_ids.shape[0] not in (1, batch_size):
+        return None
+    return torch.diff(position_ids.expand(batch_size, seq_len), dim=-1)
+
+
 def _packed_from_position_ids(position_ids, batch_size, seq_len):
     """Sequence ids (batch, seq_len) from position_ids that restart (decrease somewhere: flash_attention_2's test
     for packed sequences, which transformers applies whatever the cache), a step other than +1 starting a new
     sequence (transformers' find_packed_sequence_indices); None when they do not restart. For the models whose mask
     functions do not see position_ids (_packed_sequence_ids finds nothing there), e.g. GPT-OSS. One sync."""
-    if position_ids is None or not isinstance(position_ids, torch.Tensor) or seq_len <= 1:
-        return None
-    if position_ids.dim() == 1:
-        position_ids = position_ids.unsqueeze(0)
-    if position_ids.dim() != 2 or position_ids.shape[-1] != seq_len:
-        return None  # e.g. the 3-D multimodal rotary ids of Qwen2-VL: not a packing signal
-    steps = torch.diff(position_ids.expand(batch_size, seq_len), dim=-1)
-    if not bool((steps < 0).any()):
+    steps = _position_steps(position_ids, batch_size, seq_len)
+    if steps is None or not bool((steps < 0).any()):
         return None
     return F.pad((steps != 1).cumsum(-1, dtype=torch.int32), (1, 0))
 
@@ -314,15 +320,10 @@ _PACKED_UNDER_COMPILE = (
 
 
 def _restarts_in_graph(position_ids, batch_size, seq_len):
-    """Under tracing: a 0-d bool tensor, whether position_ids (batch, seq_len) restart somewhere (flash_attention_2's
-    packing test, _packed_from_position_ids's), or None where they cannot describe packed rows."""
-    if position_ids is None or not isinstance(position_ids, torch.Tensor) or seq_len <= 1:
-        return None
-    if position_ids.dim() == 1:
-        position_ids = position_ids.unsqueeze(0)
-    if position_ids.dim() != 2 or position_ids.shape[-1] != seq_len or position_ids.shape[0] not in (1, batch_size):
-        return None
-    return (torch.diff(position_ids, dim=-1) < 0).any()
+    """Under tracing: a 0-d bool tensor, whether position_ids restart somewhere (_packed_from_position_ids's test,
+    kept on the device), or None where they cannot describe packed rows."""
+    steps = _position_steps(position_ids, batch_size, seq_len)
+    return None if steps is None else (steps < 0).any()
 
 
 def _packed_from_sequence_ids(ids):
