@@ -37,8 +37,7 @@ def install_flash_attn_alias() -> types.ModuleType:
     package.__flashcore_alias__ = True
     package.__version__ = FLASH_ATTN_VERSION
     package.__path__ = []  # a package: its submodules resolve through sys.modules
-    for name in ("flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func",
-                 "flash_attn_varlen_kvpacked_func", "flash_attn_varlen_qkvpacked_func", "flash_attn_with_kvcache"):
+    for name in flash_attn_interface.__all__:  # the seven functions flash-attn's package exports at its top level
         setattr(package, name, getattr(flash_attn_interface, name))
     layers = types.ModuleType("flash_attn.layers", "flashcore.layers")
     layers.__path__ = []
