@@ -378,9 +378,14 @@ def assert_ran(pass_, family):
 def pack_gqa_heads(group, max_seqlen_q, block_m):
     """The query heads a block of the Hopper varlen forward packs (csrc/.../sm90/fwd_sm90_pack_gqa.h): the divisor g
     of the group, block_m / g a multiple of 16, that computes the fewest padded rows (ties to the smaller g), if that
-    saves at least an eighth of the unpacked rows; 1 under FLASHCORE_PACK_GQA=0."""
-    if os.environ.get("FLASHCORE_PACK_GQA") == "0":
+    saves at least an eighth of the unpacked rows; 1 under FLASHCORE_PACK_GQA=0, the largest such divisor under
+    FLASHCORE_PACK_GQA=always."""
+    mode = os.environ.get("FLASHCORE_PACK_GQA")
+    if mode == "0":
         return 1
+    fits = [g for g in range(2, group + 1) if group % g == 0 and block_m % (16 * g) == 0]
+    if mode == "always":
+        return max(fits, default=1)
     rows = lambda g: -(-max_seqlen_q // (block_m // g)) * block_m * (group // g)
     best = 1
     for g in range(2, group + 1):

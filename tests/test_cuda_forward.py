@@ -118,6 +118,21 @@ def test_forward_gqa_few_queries(request, dtype, head_dim, mask, shape, layout):
     assert ("varlen" in ran) == packed_route_expected(shape, head_dim, layout == "bshd"), ran
 
 
+# FLASHCORE_PACK_GQA=always (an A/B switch, docs/PERFORMANCE.md): every dense GQA call in BSHD memory takes the
+# packed varlen kernel, however many queries a head, with the largest pack the block's rows allow.
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
+def test_forward_pack_gqa_always(request, monkeypatch, head_dim, mask):
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("pack-GQA is the Hopper varlen kernel's (compute capability 9.0)")
+    monkeypatch.setenv("FLASHCORE_PACK_GQA", "always")
+    shape = (3, 16, 4, 700, 900)
+    check_forward(*random_qkv(request, shape, head_dim, torch.bfloat16, "bshd", "bshd"), mask)
+    ran = flashcore.last_kernel("fwd")
+    block_m = 192 if head_dim <= 96 else 128
+    assert "varlen" in ran and f"pack{packed_varlen_grid(*shape[:4], block_m)[0]}" in ran, ran
+
+
 def test_backward_after_packed_forward(request):
     """The dense backward takes the out and lse the packed varlen forward wrote (the route is forward only)."""
     shape = (6, 32, 8, 40, 3000)

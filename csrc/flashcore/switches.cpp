@@ -63,9 +63,11 @@ bool varlen_schedule_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-bool pack_gqa_enabled() {
+int pack_gqa_mode() {
   const char* v = env("FLASHCORE_PACK_GQA");
-  return v == nullptr || std::strcmp(v, "0") != 0;
+  if (v == nullptr) return 1;
+  if (std::strcmp(v, "always") == 0) return 2;
+  return std::strcmp(v, "0") != 0 ? 1 : 0;
 }
 
 bool varlen_fwd_packed_grid_enabled() {

@@ -17,7 +17,9 @@
 //                                               max_seqlen_k's blocks each, not longest first on a packed grid (A/B)
 //   FLASHCORE_PACK_GQA=0                        no pack-GQA: the sm90 varlen forward keeps one query head a block,
 //                                               and dense or short varlen GQA calls the kernels they took without
-//                                               it (A/B; sm90/fwd_sm90_pack_gqa.h)
+//                                               it (A/B; sm90/fwd_sm90_pack_gqa.h); =always packs every GQA call
+//                                               the Hopper varlen forward runs, and sends dense GQA calls in BSHD
+//                                               memory to it whatever their length (A/B)
 //   FLASHCORE_VARLEN_FWD_PACKED=0               the Hopper varlen forward's grid of max_seqlen_q's tiles for every
 //                                               sequence, not the packed grid of their own tiles (A/B)
 //   FLASHCORE_BWD_WIDE_STEPS=0                  the sm90 backward at head-dim tiles 96 and 128 takes 64-row steps,
@@ -53,7 +55,7 @@ bool poison_outputs();
 bool cpu_isa_forced_portable();
 bool check_varlen_offsets();
 bool varlen_schedule_enabled();
-bool pack_gqa_enabled();
+int pack_gqa_mode();  // 0 off, 1 where it saves rows (default), 2 always (FLASHCORE_PACK_GQA=always)
 bool varlen_fwd_packed_grid_enabled();
 bool decode_longest_first_enabled();
 bool bwd_wide_steps_enabled();

@@ -378,7 +378,7 @@ const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const 
   bool short_rows = max_seqlen_q <= kVarlenSm90MinRows && forced != "sm90" && !short_rows_on_sm90;
   if (short_rows && sm90 != nullptr && k.size(1) > 0) {
     const sm90::VarlenFwdPack grid =
-        sm90::varlen_fwd_pack(q.size(1), k.size(1), max_seqlen_q, sm90->head_dim_tile, pack_gqa_enabled());
+        sm90::varlen_fwd_pack(q.size(1), k.size(1), max_seqlen_q, sm90->head_dim_tile, pack_gqa_mode());
     short_rows = !(grid.heads > 1 && grid.mostly_full(max_seqlen_q));
   }
   if (sm90 != nullptr && is_hopper(prop) && !short_rows && packed_tma_ready(q) && packed_tma_ready(k) &&
@@ -567,14 +567,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const c10::cuda::CUDAGuard guard(query_in.device());
   const cudaDeviceProp& prop = device_properties(query_in);
   check_varlen_grid(args, key_in.size(1), max_seqlen_k, "key");
-  auto [grad_query, grad_key, grad_value] = alloc_varlen_bwd_outputs(query_in, key_in, value_in);
+  // Uninitialized (poisoned in the tests): each path below writes or zeroes every row.
+  at::Tensor grad_query = at::empty_like(query_in), grad_key = at::empty_like(key_in);
+  at::Tensor grad_value = at::empty_like(value_in);
+  poison_if_enabled({grad_query, grad_key, grad_value});
   if (query_in.numel() == 0 || key_in.numel() == 0 || args.batch() == 0) {
-    grad_query.zero_();
+    grad_query.zero_(), grad_key.zero_(), grad_value.zero_();
     return {grad_query, grad_key, grad_value};
   }
   if (deterministic || forced_bwd_path() == "composite") {  // the fused kernel sums dQ with atomics
     record_kernel(Pass::kBwd, KernelTrace{"composite"});
-    grad_query.zero_();  // the per-sequence path writes only rows inside sequences
+    // The per-sequence path writes only rows inside sequences (and skips sequences without queries or keys).
+    grad_query.zero_(), grad_key.zero_(), grad_value.zero_();
     varlen_bwd_deterministic(grad_out_in, query_in, key_in, value_in, out_in, lse, args, opts, grad_query, grad_key,
                              grad_value);
     return {grad_query, grad_key, grad_value};
@@ -588,6 +592,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
       &select_varlen_bwd_kernel(dout, q, k, v, prop, max_seqlen_q, transforms_scores(opts));
   BwdParams p = make_varlen_bwd_params(dout, q, k, v, o, lse, at::Tensor(), grad_key, grad_value, args, opts,
                                        deterministic);
+  // The fused kernels write every used key row of every sequence (zeros where no query sees it); the others are
+  // zeroed apart, not the whole gradients (2 x 68 us on the benchmark's batch, H200).
+  cuda::zero_key_rows_outside_sequences(grad_key, grad_value, p.varlen, args.batch(), max_seqlen_q, max_seqlen_k);
   const VarlenSchedule schedule = plan_varlen_schedule(args.cu_seqlens_q, args.cu_seqlens_k, max_seqlen_k, k.size(0),
                                                        kernel->block_n, p.varlen);
   const int64_t total_q = q.size(0), Hq = q.size(1);
@@ -693,7 +700,7 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   // The entry select_varlen_fwd_kernel picks (short_rows_on_sm90, not forced to sm80) where TMA can read the tensors.
   const cuda::FwdKernelEntry* sm90 = sm90_varlen_fwd_entry(D, query.scalar_type(), transforms_scores(opts));
   if (sm90 == nullptr || !packed_tma_ready(q) || !packed_tma_ready(*k) || !packed_tma_ready(*v)) return false;
-  const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, k->size(1), Sq, sm90->head_dim_tile, pack_gqa_enabled());
+  const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, k->size(1), Sq, sm90->head_dim_tile, pack_gqa_mode());
   if ((Sq < kPrefillOnVarlenMinTokens && !grid.mostly_full(Sq)) ||
       3 * grid.blocks(B, Hq, Sq) < prop.multiProcessorCount)
     return false;
@@ -727,8 +734,9 @@ bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, cons
     return false;
   const cuda::FwdKernelEntry* sm90 = sm90_varlen_fwd_entry(D, query.scalar_type(), score_mod);
   if (sm90 == nullptr) return false;
-  const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, Hkv, Sq, sm90->head_dim_tile, pack_gqa_enabled());
-  if (grid.heads < 2 || 2 * Sq > grid.block_m || !grid.mostly_full(Sq) ||
+  const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, Hkv, Sq, sm90->head_dim_tile, pack_gqa_mode());
+  const bool always = pack_gqa_mode() == 2;
+  if (grid.heads < 2 || (!always && (2 * Sq > grid.block_m || !grid.mostly_full(Sq))) ||
       3 * grid.blocks(B, Hq, Sq) < prop.multiProcessorCount)
     return false;
   auto rows = [&](const at::Tensor& t) -> std::optional<at::Tensor> {  // (B, H, S, D) as (B * S, H, D)

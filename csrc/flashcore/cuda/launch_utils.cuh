@@ -13,10 +13,16 @@
 
 namespace flashcore::cuda {
 
-// The current device's bit in the launchers' per-device bit sets (0 past device 63: not cached, redone per call).
-inline uint64_t current_device_bit() {
+// The current device's index (the runtime's, which the callers' CUDAGuard set).
+inline int current_device_index() {
   int device = 0;
   C10_CUDA_CHECK(cudaGetDevice(&device));
+  return device;
+}
+
+// The current device's bit in the launchers' per-device bit sets (0 past device 63: not cached, redone per call).
+inline uint64_t current_device_bit() {
+  const int device = current_device_index();
   return device < 64 ? (uint64_t{1} << device) : 0;
 }
 

@@ -60,17 +60,11 @@ Variant pick(int tile, bool rows, bool bf16, bool tma, int stages) {
 // not, where the variant is an empty kernel); cached per device.
 bool tma_code_built(const Variant& v) { return cuda::runs_sm90_code(v.kernel, *v.sm90_code); }
 
-int current_device() {
-  int device = 0;
-  C10_CUDA_CHECK(cudaGetDevice(&device));
-  return device;
-}
-
 // The device's peak DRAM bandwidth in bytes a second: double data rate x bus width. Cached per device (devices past
 // 63 ask every call), as are the occupancies below: a decode step's host time is part of every generated token's.
 double peak_dram_bytes_per_s(const cudaDeviceProp& prop) {
   static std::atomic<double> cached[64];  // 0: not asked yet
-  const int device = current_device();
+  const int device = cuda::current_device_index();
   if (device < 64)
     if (const double peak = cached[device].load(std::memory_order_relaxed); peak > 0.0) return peak;
   int clock_khz = 0;
@@ -143,7 +137,7 @@ void opt_in_smem(const Variant& v, const cudaDeviceProp& prop) {
 // Blocks of variant v an SM can run at its own shared memory (at least 1); cached per device. Opts v in first (a
 // cached count means that was done on this device).
 int occupancy_of(const Variant& v, const cudaDeviceProp& prop) {
-  const int device = current_device();
+  const int device = cuda::current_device_index();
   if (device < 64)
     if (const int n = v.occupancy[device].load(std::memory_order_acquire); n > 0) return n;  // opt-in visible
   opt_in_smem(v, prop);

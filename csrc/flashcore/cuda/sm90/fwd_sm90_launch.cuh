@@ -201,7 +201,7 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   const int64_t total_q = p.varlen.total_q, total_k = p.varlen.total_k;
   static_assert(varlen_fwd_block_m(kHeadDim) == Traits::kBlockM, "the router's grid estimate is this grid");
   FwdParams params = p;
-  const VarlenFwdPack grid = varlen_fwd_pack(p.heads_q, p.heads_kv, p.seqlen_q, kHeadDim, pack_gqa_enabled());
+  const VarlenFwdPack grid = varlen_fwd_pack(p.heads_q, p.heads_kv, p.seqlen_q, kHeadDim, pack_gqa_mode());
   const int pack = grid.heads;
   params.pack.heads = pack;
   params.pack.rows = (int)grid.rows;

@@ -34,10 +34,15 @@ inline int64_t packed_rows(int64_t heads, int64_t max_seqlen_q, int block_m, int
 // packing) unless that saves at least an eighth of the unpacked rows. So short sequences pack (64 queries, 4 heads a
 // KV head, 128-row blocks: half the rows), while long ones, whose blocks are full either way and whose packed
 // shapes were not measured, keep one head a block (4097 queries: 2 % fewer rows, not packed). enabled = false: 1
-// (A/B switch).
-inline int pick_pack_gqa(int64_t group, int64_t max_seqlen_q, int block_m, bool enabled = true) {
+// (A/B switch); mode 2: the most heads that fit, whatever the rows saved (A/B switch).
+inline int pick_pack_gqa(int64_t group, int64_t max_seqlen_q, int block_m, int mode = 1) {
   int best = 1;
-  if (!enabled || group < 2) return best;
+  if (mode == 0 || group < 2) return best;
+  if (mode == 2) {
+    for (int g = 2; g <= group && 16 * g <= block_m; ++g)
+      if (group % g == 0 && block_m % (16 * g) == 0) best = g;
+    return best;
+  }
   const int64_t unpacked = packed_rows(group, max_seqlen_q, block_m, 1);
   int64_t best_rows = unpacked;
   for (int g = 2; g <= group && 16 * g <= block_m; ++g) {
@@ -66,9 +71,9 @@ struct VarlenFwdPack {
 };
 
 inline VarlenFwdPack varlen_fwd_pack(int64_t heads_q, int64_t heads_kv, int64_t max_seqlen_q, int head_dim_tile,
-                                     bool pack_enabled) {
+                                     int pack_mode) {
   const int block_m = varlen_fwd_block_m(head_dim_tile);
-  const int g = pick_pack_gqa(heads_kv > 0 ? heads_q / heads_kv : 1, max_seqlen_q, block_m, pack_enabled);
+  const int g = pick_pack_gqa(heads_kv > 0 ? heads_q / heads_kv : 1, max_seqlen_q, block_m, pack_mode);
   return VarlenFwdPack{block_m, g, block_m / g};
 }
 
