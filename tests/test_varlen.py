@@ -575,6 +575,23 @@ def test_varlen_seqused_and_outside_rows_cuda(request):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "strided"])
+def test_varlen_backward_key_rows_outside_batch_cuda(request, head_dim, strided):
+    """Key rows before the first sequence and after the last (a padded buffer) get zero dK/dV from the fused
+    backward's gap launch (cuda/varlen_rows.cu), not a fill: the gradients start poisoned in the suite, so a row
+    neither the gap launch nor a kernel writes fails; a sequence without queries keeps its keys' zeros too."""
+    lens_q, lens_k, lead, tail = [100, 0, 200], [150, 40, 300], 37, 300
+    q, k, v, cu_q, _, kw = make_case(request, "cuda", torch.bfloat16, lens_q, [lead + sum(lens_k) + tail], 8, 2,
+                                     head_dim, {"causal": True}, strided=strided)
+    cu_k = offsets(lens_k, "cuda") + lead
+    got = run_backward(q, k, v, cu_q, cu_k, kw)
+    outside = torch.cat([torch.arange(lead), torch.arange(lead + sum(lens_k), k.shape[0])]).cuda()
+    assert (got[1][outside] == 0).all() and (got[2][outside] == 0).all()
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("lens_q", [[96, 200, 70], [30, 10, 50]], ids=["long", "short"])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("causal", [False, True])

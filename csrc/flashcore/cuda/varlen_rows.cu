@@ -3,6 +3,7 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <cstdint>
 
 namespace flashcore::cuda {
@@ -30,25 +31,54 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-// Block g of the grid (striding by gridDim.x) zeroes gap g of batch + 1: rows [end of sequence g - 1's used keys,
-// start of sequence g), the first gap starting at row 0 and the last ending at total_k. Gaps are empty in the usual
-// packed batch without seqused_k, so the launch and the offsets' reads are the whole cost.
+// A 16-bit (rows, heads, head_dim) tensor with a unit-stride last dim; vec: every head's span of a row starts on a
+// 16-byte boundary and head_dim is a multiple of 8, so a row is zeroed with 16-byte stores.
+struct RowsOf16Bit {
+  uint16_t* data;
+  int64_t stride_row, stride_head;
+  bool vec;
+};
+
+// Lane `lane` of a warp's share of zeroing row `row` of t.
+__device__ __forceinline__ void zero_row(const RowsOf16Bit& t, int64_t row, int64_t heads, int64_t head_dim,
+                                         int lane) {
+  uint16_t* base = t.data + row * t.stride_row;
+  if (t.vec) {
+    const int64_t chunks = head_dim / 8;
+    for (int64_t i = lane; i < heads * chunks; i += 32)
+      reinterpret_cast<uint4*>(base + i / chunks * t.stride_head)[i % chunks] = make_uint4(0, 0, 0, 0);
+  } else {
+    for (int64_t h = 0; h < heads; ++h)
+      for (int64_t d = lane; d < head_dim; d += 32) base[h * t.stride_head + d] = 0;
+  }
+}
+
+// The key rows outside every sequence's used keys (varlen_seq_info's k_begin + seqlen_k). Without seqused_k (the
+// host fills the tensors whole with it) they are rows before the first sequence and after the last, which every
+// warp of the grid shares (one row a warp at a time), and for invalid offsets only (a sequence longer than
+// max_seqlen_k, offsets out of order) gaps between sequences, which the blocks take in turn. Offsets are clamped,
+// so no row outside [0, total_k) is written.
 __global__ void __launch_bounds__(kThreads)
-    zero_key_rows_kernel(uint16_t* dk, uint16_t* dv, int64_t heads, int64_t head_dim, int64_t dk_row, int64_t dk_head,
-                         int64_t dv_row, int64_t dv_head, VarlenParams v, int64_t batch, int64_t max_seqlen_q,
-                         int64_t max_seqlen_k) {
-  const int64_t total = v.total_k, per_row = heads * head_dim;
-  for (int64_t g = blockIdx.x; g <= batch; g += gridDim.x) {
-    int64_t first = 0, last = total;
-    if (g > 0) {
-      const SeqInfo s = varlen_seq_info(v, g - 1, max_seqlen_q, max_seqlen_k);
-      first = s.k_begin + s.seqlen_k;  // <= total_k: both clamped
-    }
-    if (g < batch) last = clamp64(v.cu_seqlens_k[g], 0, total);
-    for (int64_t i = threadIdx.x; i < (last - first) * per_row; i += kThreads) {
-      const int64_t row = first + i / per_row, h = i % per_row / head_dim, d = i % head_dim;
-      dk[row * dk_row + h * dk_head + d] = 0;
-      dv[row * dv_row + h * dv_head + d] = 0;
+    zero_key_rows_kernel(RowsOf16Bit dk, RowsOf16Bit dv, int64_t heads, int64_t head_dim, VarlenParams v,
+                         int64_t batch, int64_t max_seqlen_q, int64_t max_seqlen_k) {
+  constexpr int kWarps = kThreads / 32;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x / 32;
+  const int64_t total = v.total_k;
+  auto used_end = [&](int64_t b) {  // in [0, total]: both terms clamped
+    const SeqInfo s = varlen_seq_info(v, b, max_seqlen_q, max_seqlen_k);
+    return s.k_begin + s.seqlen_k;
+  };
+  const int64_t before = clamp64(v.cu_seqlens_k[0], 0, total), after = total - used_end(batch - 1);
+  for (int64_t i = (int64_t)blockIdx.x * kWarps + warp; i < before + after; i += (int64_t)gridDim.x * kWarps) {
+    const int64_t row = i < before ? i : total - after + (i - before);
+    zero_row(dk, row, heads, head_dim, lane);
+    zero_row(dv, row, heads, head_dim, lane);
+  }
+  for (int64_t g = 1 + blockIdx.x; g < batch; g += gridDim.x) {
+    const int64_t last = clamp64(v.cu_seqlens_k[g], 0, total);
+    for (int64_t row = used_end(g - 1) + warp; row < last; row += kWarps) {
+      zero_row(dk, row, heads, head_dim, lane);
+      zero_row(dv, row, heads, head_dim, lane);
     }
   }
 }
@@ -57,16 +87,24 @@ __global__ void __launch_bounds__(kThreads)
 
 void zero_key_rows_outside_sequences(at::Tensor& grad_key, at::Tensor& grad_value, const VarlenParams& varlen,
                                      int64_t batch, int64_t max_seqlen_q, int64_t max_seqlen_k) {
-  const int64_t total = grad_key.size(0);
-  if (total == 0 || grad_key.size(1) == 0 || grad_key.size(2) == 0 || batch < 0) return;
+  const int64_t total = grad_key.size(0), heads = grad_key.size(1), head_dim = grad_key.size(2);
+  if (total == 0 || heads == 0 || head_dim == 0 || batch <= 0) return;
+  if (varlen.seqused_k != nullptr) {  // each sequence may end in a gap: fills at full bandwidth
+    grad_key.zero_();
+    grad_value.zero_();
+    return;
+  }
   TORCH_INTERNAL_ASSERT(grad_key.element_size() == 2 && grad_key.stride(2) == 1 && grad_value.stride(2) == 1 &&
                         grad_value.sizes() == grad_key.sizes() && varlen.total_k == total &&
                         varlen.cu_seqlens_k != nullptr && varlen.block_table == nullptr);
-  const int blocks = (int)std::min<int64_t>(batch + 1, 1024);
+  auto rows = [&](at::Tensor& t) {
+    const bool vec = reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0 && head_dim % 8 == 0 &&
+                     t.stride(0) % 8 == 0 && t.stride(1) % 8 == 0;
+    return RowsOf16Bit{static_cast<uint16_t*>(t.data_ptr()), t.stride(0), t.stride(1), vec};
+  };
+  const int blocks = (int)std::clamp<int64_t>(std::max(total, batch) / 32, 1, 128);
   zero_key_rows_kernel<<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      static_cast<uint16_t*>(grad_key.data_ptr()), static_cast<uint16_t*>(grad_value.data_ptr()), grad_key.size(1),
-      grad_key.size(2), grad_key.stride(0), grad_key.stride(1), grad_value.stride(0), grad_value.stride(1), varlen,
-      batch, max_seqlen_q, max_seqlen_k);
+      rows(grad_key), rows(grad_value), heads, head_dim, varlen, batch, max_seqlen_q, max_seqlen_k);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

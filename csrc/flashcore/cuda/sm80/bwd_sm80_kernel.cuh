@@ -49,7 +49,7 @@ __device__ __forceinline__ void atomic_add_pair(float* dst, float a, float b) {
 // from the transformed logits, and dS gains the softcap's derivative 1 - tanh^2.
 // kVarlen: a variable-length batch (seqlen.h): the block's keys and queries are its sequence's; dsum and dq_accum
 // follow lse's (heads_q, total_q) layout (dq_accum: (heads_q, total_q, kHeadDim)); a key block past the sequence's
-// end exits at once (its dK/dV rows, outside the sequence, stay the caller's zeros).
+// end exits at once (its dK/dV rows, outside the sequence, are zeroed before the launch: varlen_rows.cuh).
 template <typename Traits, bool kScoreMod, bool kVarlen = false>
 __global__ void __launch_bounds__(Traits::kNThreads, Traits::kMinBlocksPerSm)
     bwd_sm80_kernel(const BwdParams p, const float* __restrict__ dsum, float* __restrict__ dq_accum,

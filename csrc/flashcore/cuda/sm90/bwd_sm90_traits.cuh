@@ -7,6 +7,7 @@
 #include "../../params.h"
 #include "../ptx/warpgroup.cuh"
 #include "../common/smem_tile.cuh"
+#include "../common/varlen_tile_scan.cuh"
 #include "bwd_sm90_config.cuh"
 
 namespace flashcore::sm90 {
@@ -232,6 +233,42 @@ struct BwdStepCursor {
   }
 };
 
+// locate_packed_tile (seqlen.h) as one warp's round of loads for batches of at most kVarlenScanMaxBatch: lane l
+// reads tile_end[l], tile_end[l + 32], ... at once, and a ballot a chunk finds the first slot whose blocks end past
+// `block` (tile_end ascends), where the binary search's chain of dependent loads (4-8 L2 round trips) sat on every
+// block's start. Warp-collective: all 32 lanes call it with the same arguments; every ballot and shuffle runs on
+// every lane (the chunk loop's bound is the batch, a kernel parameter), so the warp stays converged.
+__device__ __forceinline__ bool locate_packed_tile_warp(const VarlenParams& v, int batch, int heads, int block,
+                                                        PackedTile& out) {
+  constexpr int kChunks = cuda::kVarlenScanMaxBatch / 32;
+  const int lane = threadIdx.x & 31;
+  int end_of[kChunks];  // tile_end of slot c * 32 + lane; 0 past the batch (never past the block)
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    const int s = c * 32 + lane;
+    end_of[c] = s < batch ? v.tile_end[s] : 0;
+  }
+  int slot = -1, end = 0, first = 0, prev_last = 0;  // prev_last: the previous chunk's last tile_end
+#pragma unroll
+  for (int c = 0; c < kChunks; ++c) {
+    if (c * 32 >= batch) break;
+    const unsigned past = __ballot_sync(0xffffffffu, (int64_t)heads * end_of[c] > block);
+    const int owner = past != 0 ? __ffs(past) - 1 : 0;
+    const int owner_end = __shfl_sync(0xffffffffu, end_of[c], owner);
+    const int before_owner = __shfl_sync(0xffffffffu, end_of[c], (owner + 31) & 31);
+    if (slot < 0 && past != 0) slot = c * 32 + owner, end = owner_end, first = owner > 0 ? before_owner : prev_last;
+    prev_last = __shfl_sync(0xffffffffu, end_of[c], 31);
+  }
+  if (slot < 0) return false;
+  const int tiles = end - first;
+  const int rel = block - heads * first;  // < heads * tiles, so tiles > 0
+  out.slot = slot;
+  out.tiles = tiles;
+  out.head = rel / tiles;
+  out.tile = rel % tiles;
+  return true;
+}
+
 // Varlen: the block of a packed grid (VarlenParams::tile_end: a slot's key blocks of one head side by side, the
 // heavier first) or of a grid of max_seqlen_k's key blocks for every slot; a block past its sequence's keys (or
 // past the packed grid's last slot: seqlen_k = 0) exits in the kernel.
@@ -242,7 +279,9 @@ __device__ __forceinline__ BwdBlock varlen_bwd_block(const BwdParams& p, int num
   int64_t slot;
   if (p.varlen.tile_end != nullptr) {
     PackedTile t;
-    in_grid = locate_packed_tile(p.varlen, p.batch, p.heads_kv, blockIdx.x, t);
+    in_grid = p.batch <= cuda::kVarlenScanMaxBatch
+                  ? locate_packed_tile_warp(p.varlen, (int)p.batch, (int)p.heads_kv, (int)blockIdx.x, t)
+                  : locate_packed_tile(p.varlen, p.batch, p.heads_kv, blockIdx.x, t);
     blk.n_block = t.tile;
     slot = t.slot;
     blk.h_kv = t.head;

@@ -33,7 +33,7 @@ inline int64_t packed_rows(int64_t heads, int64_t max_seqlen_q, int block_m, int
 // (one head a warp's m16 rows), the one that computes the fewest padded rows, ties to the smaller g; and 1 (no
 // packing) unless that saves at least an eighth of the unpacked rows. So short sequences pack (64 queries, 4 heads a
 // KV head, 128-row blocks: half the rows), while long ones, whose blocks are full either way and whose packed
-// shapes were not measured, keep one head a block (4097 queries: 2 % fewer rows, not packed). enabled = false: 1
+// shapes were not measured, keep one head a block (4097 queries: 2 % fewer rows, not packed). mode 0: 1
 // (A/B switch); mode 2: the most heads that fit, whatever the rows saved (A/B switch).
 inline int pick_pack_gqa(int64_t group, int64_t max_seqlen_q, int block_m, int mode = 1) {
   int best = 1;
