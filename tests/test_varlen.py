@@ -449,26 +449,30 @@ def test_varlen_backward_gqa_tile_edges_cuda(request, monkeypatch, bwd_path, var
 
 @pytest.mark.gpu
 @requires_cuda
-@pytest.mark.parametrize("fused", ["sm80", "sm90"])
-def test_varlen_schedule_matches_given_order_cuda(request, monkeypatch, fused):
+@pytest.mark.parametrize("fused,batch", [("sm80", 60), ("sm90", 60), ("sm90", 33), ("sm90", 64), ("sm90", 256),
+                                         ("sm90", 257)])
+def test_varlen_schedule_matches_given_order_cuda(request, monkeypatch, fused, batch):
     """The backward's launch schedule (longest first, a packed grid on sm90) only reorders blocks: both backwards
-    pass the rule with and without it, and the forward (never scheduled) is bitwise unchanged. 60 sequences of
-    0-300 tokens, GQA, causal."""
+    pass the rule with and without it, and the forward (never scheduled) is bitwise unchanged. Sequences of 0-300
+    tokens, one without queries and some with queries but no keys (slots of no tiles: repeated tile_end values),
+    GQA, causal. The batch sizes cross the sm90 lookup's 32-slot chunks (locate_packed_tile_warp) and its 256-slot
+    limit, past which the binary search takes over."""
     if fused == "sm90" and "sm90" not in gpu_families():
         pytest.skip("sm90 kernels need a compute capability 9.0 GPU")
     monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", fused)
     monkeypatch.setenv("FLASHCORE_FORCE_BWD", fused)
-    g = torch.Generator().manual_seed(3)
-    lens = torch.randint(0, 301, (60,), generator=g).tolist()
+    g = torch.Generator().manual_seed(3 + batch)
+    lens = torch.randint(0, 301, (batch,), generator=g).tolist()
     lens[7] = 0
-    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens, lens, 8, 2, 128, {"causal": True})
-    max_len = max(lens)
-    scheduled = flashcore.varlen_attention(q, k, v, cu_q, cu_k, max_len, max_len, is_causal=True, return_lse=True)
+    lens_k = [0 if i % 9 == 4 else n for i, n in enumerate(lens)]
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens, lens_k, 8, 2, 128, {"causal": True})
+    max_q, max_k = max(lens), max(lens_k)
+    scheduled = flashcore.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, return_lse=True)
     assert_ran("fwd", fused)
     run_backward(q, k, v, cu_q, cu_k, kw)
     assert_ran("bwd", fused)
     monkeypatch.setenv("FLASHCORE_VARLEN_SCHEDULE", "0")
-    given = flashcore.varlen_attention(q, k, v, cu_q, cu_k, max_len, max_len, is_causal=True, return_lse=True)
+    given = flashcore.varlen_attention(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=True, return_lse=True)
     assert torch.equal(scheduled[0], given[0]) and torch.equal(scheduled[1], given[1])
     run_backward(q, k, v, cu_q, cu_k, kw)
 

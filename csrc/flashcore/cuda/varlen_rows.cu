@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(kThreads)
 void zero_key_rows_outside_sequences(at::Tensor& grad_key, at::Tensor& grad_value, const VarlenParams& varlen,
                                      int64_t batch, int64_t max_seqlen_q, int64_t max_seqlen_k) {
   const int64_t total = grad_key.size(0), heads = grad_key.size(1), head_dim = grad_key.size(2);
-  if (total == 0 || heads == 0 || head_dim == 0 || batch <= 0) return;
-  if (varlen.seqused_k != nullptr) {  // each sequence may end in a gap: fills at full bandwidth
+  if (total == 0 || heads == 0 || head_dim == 0) return;
+  if (batch <= 0 || varlen.seqused_k != nullptr) {  // no sequence, or each may end in a gap: fills at full bandwidth
     grad_key.zero_();
     grad_value.zero_();
     return;
