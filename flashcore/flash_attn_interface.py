@@ -41,7 +41,7 @@ _varlen_bwd_op = torch.ops.flashcore.varlen_bwd.default
 _kvcache_fwd_op = torch.ops.flashcore.kvcache_fwd.default
 
 
-def _flash_window(left, right, causal, seqlen_q, seqlen_k, fn):
+def _flash_window(left, right, causal, seqlen_q, seqlen_k):
     """The window flash-attn 2's kernels apply for window_size=(left, right) (csrc/flash_attn/flash_api.cpp: mha_fwd,
     mha_varlen_fwd and mha_fwd_kvcache, then set_params_fprop): causal sets right = 0; a side >= seqlen_k becomes
     unbounded; then a one-sided window gets seqlen_k on its unbounded side. The last step changes the mask where
@@ -121,7 +121,7 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     deterministic = custom_op_flag_arg(deterministic, "deterministic", fn)
     return_attn_probs = custom_op_flag_arg(return_attn_probs, "return_attn_probs", fn)
     sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
-    left, right = _flash_window(*window_pair(window_size, fn), causal, q.size(1), k.size(1), fn)
+    left, right = _flash_window(*window_pair(window_size, fn), causal, q.size(1), k.size(1))
     softcap = _flash_softcap(softcap, fn)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     (q, k, v), head_dim = pad_head_dim([maybe_contiguous(x) for x in (q, k, v)])
@@ -188,7 +188,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
     if seqused_k is not None:
         _check_tensor(seqused_k, "seqused_k", fn)
-    left, right = _flash_window(*window_pair(window_size, fn), causal, max_seqlen_q, max_seqlen_k, fn)
+    left, right = _flash_window(*window_pair(window_size, fn), causal, max_seqlen_q, max_seqlen_k)
     softcap = _flash_softcap(softcap, fn)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
@@ -396,7 +396,7 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     fn = "_flash_attn_backward"
     _check_dropout(dropout_p, fn)
     left, right = _flash_window(*window_pair((window_size_left, window_size_right), fn), causal, q.size(1),
-                                 k.size(1), fn)
+                                 k.size(1))
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     head_dim = q.size(-1)
     (q_, k_, v_, o_, do_), _ = pad_head_dim([maybe_contiguous(x) for x in (q, k, v, out, dout)])
@@ -440,7 +440,7 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     fn = "_flash_attn_varlen_backward"
     _check_dropout(dropout_p, fn)
     left, right = _flash_window(*window_pair((window_size_left, window_size_right), fn), causal,
-                                 int(max_seqlen_q), int(max_seqlen_k), fn)
+                                 int(max_seqlen_q), int(max_seqlen_k))
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     head_dim = q.size(-1)
     (q_, k_, v_, o_, do_), _ = pad_head_dim([maybe_contiguous(x) for x in (q, k, v, out, dout)])
@@ -756,7 +756,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     left = -1 if left >= capacity else left
     right = -1 if right >= capacity else right
     local = left >= 0 or right >= 0
-    left, right = _flash_window(left, right, causal, Sq, capacity, fn)
+    left, right = _flash_window(left, right, causal, Sq, capacity)
     softcap = _flash_softcap(softcap, fn)
     softmax_scale = _scale(softmax_scale, D, fn)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))

@@ -388,8 +388,8 @@ def pack_gqa_heads(group, max_seqlen_q, block_m):
         return max(fits, default=1)
     rows = lambda g: -(-max_seqlen_q // (block_m // g)) * block_m * (group // g)
     best = 1
-    for g in range(2, group + 1):
-        if group % g == 0 and block_m % (16 * g) == 0 and rows(g) < rows(best):
+    for g in fits:
+        if rows(g) < rows(best):
             best = g
     return best if 8 * rows(best) <= 7 * rows(1) else 1
 

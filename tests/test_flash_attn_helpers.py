@@ -157,28 +157,33 @@ def _rotate_reference(x, cos, sin, offsets, interleaved):
 
 
 @pytest.mark.parametrize("interleaved", [False, True])
-@pytest.mark.parametrize("layout", ["3heads", "gqa"])
-def test_apply_rotary_emb_qkv_and_kv_in_place(interleaved, layout):
+@pytest.mark.parametrize("layout", ["3heads", "3heads_permuted", "gqa"])
+@pytest.mark.parametrize("k_tables", ["xpos", "shared"])
+def test_apply_rotary_emb_qkv_and_kv_in_place(interleaved, layout, k_tables):
     """flash-attn's in-place packed forms: apply_rotary_emb_qkv_ rotates Q and K of a packed qkv ((B, S, 3, H, D), or
-    (B, S, Hq + 2 Hk, D) with num_heads_q) and leaves V; cos_k/sin_k rotate K apart (XPos); apply_rotary_emb_kv_
-    rotates K of (B, S, 2, H, D); gradients flow through the in-place writes."""
+    (B, S, Hq + 2 Hk, D) with num_heads_q) and leaves V; cos_k/sin_k rotate K apart (XPos), without them Q and K take
+    cos/sin in one pass where one view holds both (not for a (B, S, 3, H, D) view whose heads are not adjacent: then
+    one pass each); apply_rotary_emb_kv_ rotates K of (B, S, 2, H, D); gradients flow through the in-place writes."""
     from flashcore.layers.rotary import apply_rotary_emb_kv_, apply_rotary_emb_qkv_
     g = torch.Generator().manual_seed(4)
     B, S, D, ro = 2, 5, 16, 12
     cos, sin = torch.randn(S + 3, ro // 2, generator=g, dtype=torch.float64), torch.randn(S + 3, ro // 2, generator=g,
                                                                                           dtype=torch.float64)
-    cos_k, sin_k = cos * 0.5, sin * 0.5
+    cos_k, sin_k = (cos * 0.5, sin * 0.5) if k_tables == "xpos" else (None, None)
     offsets = torch.tensor([0, 3])
-    shape, nq = ((B, S, 3, 2, D), None) if layout == "3heads" else ((B, S, 4 + 2 * 2, D), 4)
+    shape, nq = ((B, S, 3, 2, D), None) if layout.startswith("3heads") else ((B, S, 4 + 2 * 2, D), 4)
     base = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
     qkv = base * 1.0  # a non-leaf, so the in-place rotation is recorded by autograd
+    if layout == "3heads_permuted":  # the same values in (B, S, H, 3, D) memory
+        qkv = qkv.permute(0, 1, 3, 2, 4).contiguous().permute(0, 1, 3, 2, 4)
     q0, k0, v0 = (base[:, :, i] for i in range(3)) if nq is None else (base[:, :, :4], base[:, :, 4:6], base[:, :, 6:])
     out = apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, interleaved=interleaved, seqlen_offsets=offsets,
                                 num_heads_q=nq)
     assert out is qkv
     q1, k1, v1 = (out[:, :, i] for i in range(3)) if nq is None else (out[:, :, :4], out[:, :, 4:6], out[:, :, 6:])
     torch.testing.assert_close(q1, _rotate_reference(q0, cos, sin, offsets.tolist(), interleaved))
-    torch.testing.assert_close(k1, _rotate_reference(k0, cos_k, sin_k, offsets.tolist(), interleaved))
+    torch.testing.assert_close(k1, _rotate_reference(k0, cos if cos_k is None else cos_k,
+                                                     sin if sin_k is None else sin_k, offsets.tolist(), interleaved))
     torch.testing.assert_close(v1, v0, rtol=0, atol=0)
     (grad,) = torch.autograd.grad(out.sum(), base)
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0

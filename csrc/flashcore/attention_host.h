@@ -95,6 +95,7 @@ void check_varlen_bwd_inputs(const at::Tensor& grad_out, const at::Tensor& query
 // out like query (poisoned as alloc_fwd_outputs), lse (heads_q, total_q) (flash-attn's varlen layout) filled with
 // -inf: rows outside every sequence keep it.
 std::tuple<at::Tensor, at::Tensor> alloc_varlen_fwd_outputs(const at::Tensor& query);
+// The CPU varlen backward's gradients (CUDA's fused path zeroes only the rows its kernels skip: varlen_rows.cuh).
 // grad_query uninitialized (poisoned as alloc_bwd_outputs): every backward writes all its rows, 0 outside every
 // sequence. grad_key/grad_value zeroed: keys outside every sequence (and past seqused_k) keep 0, the kernels write
 // the others.

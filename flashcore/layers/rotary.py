@@ -142,6 +142,15 @@ def apply_rotary_emb_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
     or (batch, seqlen, num_heads_q + 2 * num_heads_k, headdim) with num_heads_q. K takes cos_k/sin_k where given
     (XPos), else cos/sin; seqlen_offsets as in apply_rotary_emb."""
     q, k = _q_and_k(qkv, num_heads_q, "apply_rotary_emb_qkv_")
+    if cos_k is None and sin_k is None:  # Q and K share the tables: one pass over both where one view holds them
+        qk = None
+        if qkv.dim() == 4:
+            qk = qkv[:, :, :q.shape[2] + k.shape[2]]
+        elif qkv.stride(2) == qkv.shape[3] * qkv.stride(3):  # Q's heads then K's at one stride: (B, S, 2H, D)
+            qk = qkv[:, :, :2].view(qkv.shape[0], qkv.shape[1], 2 * qkv.shape[3], qkv.shape[4])
+        if qk is not None:
+            apply_rotary_emb(qk, cos, sin, interleaved, inplace=True, seqlen_offsets=seqlen_offsets)
+            return qkv
     apply_rotary_emb(q, cos, sin, interleaved, inplace=True, seqlen_offsets=seqlen_offsets)
     apply_rotary_emb(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k, interleaved, inplace=True,
                      seqlen_offsets=seqlen_offsets)

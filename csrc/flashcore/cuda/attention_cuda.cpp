@@ -568,9 +568,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> varlen_bwd_cuda(
   const cudaDeviceProp& prop = device_properties(query_in);
   check_varlen_grid(args, key_in.size(1), max_seqlen_k, "key");
   // Uninitialized (poisoned in the tests): each path below writes or zeroes every row.
-  at::Tensor grad_query = at::empty_like(query_in), grad_key = at::empty_like(key_in);
-  at::Tensor grad_value = at::empty_like(value_in);
-  poison_if_enabled({grad_query, grad_key, grad_value});
+  auto [grad_query, grad_key, grad_value] = alloc_bwd_outputs(query_in, key_in, value_in);
   if (query_in.numel() == 0 || key_in.numel() == 0 || args.batch() == 0) {
     grad_query.zero_(), grad_key.zero_(), grad_value.zero_();
     return {grad_query, grad_key, grad_value};
@@ -734,8 +732,9 @@ bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, cons
     return false;
   const cuda::FwdKernelEntry* sm90 = sm90_varlen_fwd_entry(D, query.scalar_type(), score_mod);
   if (sm90 == nullptr) return false;
-  const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, Hkv, Sq, sm90->head_dim_tile, pack_gqa_mode());
-  const bool always = pack_gqa_mode() == 2;
+  const int pack_mode = pack_gqa_mode();
+  const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, Hkv, Sq, sm90->head_dim_tile, pack_mode);
+  const bool always = pack_mode == 2;
   if (grid.heads < 2 || (!always && (2 * Sq > grid.block_m || !grid.mostly_full(Sq))) ||
       3 * grid.blocks(B, Hq, Sq) < prop.multiProcessorCount)
     return false;
