@@ -16,19 +16,27 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-__all__ = ["index_first_axis", "index_put_first_axis", "unpad_input", "unpad_input_for_concatenated_sequences",
-           "pad_input", "IndexFirstAxis", "IndexPutFirstAxis"]
+__all__ = ["index_first_axis", "index_put_first_axis", "index_first_axis_residual", "unpad_input",
+           "unpad_input_for_concatenated_sequences", "pad_input", "IndexFirstAxis", "IndexPutFirstAxis",
+           "IndexFirstAxisResidual"]
 
 
 def index_first_axis(input: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
-    """input[indices] along the first axis: (first_axis_dim, ...) -> (len(indices), ...)."""
+    """input[indices] along the first axis: (first_axis_dim, ...) -> (len(indices), ...). indices int64 or int32."""
     return input.index_select(0, indices)
 
 
 def index_put_first_axis(values: torch.Tensor, indices: torch.Tensor, first_axis_dim: int) -> torch.Tensor:
-    """A (first_axis_dim, ...) tensor of zeros with values[i] at row indices[i] (the inverse of index_first_axis)."""
+    """A (first_axis_dim, ...) tensor of zeros with values[i] at row indices[i] (the inverse of index_first_axis).
+    indices int64 or int32."""
     output = values.new_zeros((first_axis_dim, *values.shape[1:]))
-    return output.index_copy(0, indices, values)
+    return output.index_copy(0, indices.long(), values)
+
+
+def index_first_axis_residual(input: torch.Tensor, indices: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input[indices], input): flash-attn's form for a fused layer that also needs the whole input as a residual;
+    gradients from both outputs reach input."""
+    return index_first_axis(input, indices), input
 
 
 class IndexFirstAxis:
@@ -39,6 +47,12 @@ class IndexFirstAxis:
 class IndexPutFirstAxis:
     """flash-attn's autograd-function name for index_put_first_axis: IndexPutFirstAxis.apply(values, indices, n)."""
     apply = staticmethod(index_put_first_axis)
+
+
+class IndexFirstAxisResidual:
+    """flash-attn's autograd-function name for index_first_axis_residual: IndexFirstAxisResidual.apply(input,
+    indices)."""
+    apply = staticmethod(index_first_axis_residual)
 
 
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor, unused_mask: torch.Tensor | None = None):

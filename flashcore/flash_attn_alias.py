@@ -14,6 +14,7 @@ the interface's, with a local label ("2.8.4+flashcore"), so code that gates feat
 
 from __future__ import annotations
 
+import importlib.machinery
 import sys
 import types
 
@@ -37,10 +38,13 @@ def install_flash_attn_alias() -> types.ModuleType:
     package.__flashcore_alias__ = True
     package.__version__ = FLASH_ATTN_VERSION
     package.__path__ = []  # a package: its submodules resolve through sys.modules
+    # A spec, so that importlib.util.find_spec("flash_attn") (availability checks) answers instead of raising.
+    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
     for name in flash_attn_interface.__all__:  # the seven functions flash-attn's package exports at its top level
         setattr(package, name, getattr(flash_attn_interface, name))
     layers = types.ModuleType("flash_attn.layers", "flashcore.layers")
     layers.__path__ = []
+    layers.__spec__ = importlib.machinery.ModuleSpec("flash_attn.layers", None, is_package=True)
     layers.rotary = rotary
     package.flash_attn_interface, package.bert_padding, package.layers = flash_attn_interface, bert_padding, layers
     sys.modules.update({

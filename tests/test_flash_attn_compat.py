@@ -334,11 +334,14 @@ def test_flash_attn_alias_runs_flash_attn_imports():
 import sys, types, torch, flashcore
 fa = flashcore.install_flash_attn_alias()
 assert flashcore.install_flash_attn_alias() is fa
+import importlib.util
 import flash_attn
+assert importlib.util.find_spec("flash_attn") is not None  # availability checks answer instead of raising
+assert importlib.util.find_spec("flash_attn.layers") is not None
 from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache
 from flash_attn.flash_attn_interface import _flash_attn_forward
-from flash_attn.bert_padding import unpad_input, pad_input
-from flash_attn.layers.rotary import apply_rotary_emb, RotaryEmbedding
+from flash_attn.bert_padding import unpad_input, pad_input, IndexFirstAxisResidual, index_first_axis_residual
+from flash_attn.layers.rotary import apply_rotary_emb, RotaryEmbedding, ApplyRotaryEmb, ApplyRotaryEmbQKV_
 major_minor = tuple(int(x) for x in flash_attn.__version__.split("+")[0].split(".")[:2])
 assert major_minor >= (2, 8) and flash_attn_func is flashcore.flash_attn_func
 q, k, v = (torch.randn(2, 5, 4, 16, dtype=torch.float64) for _ in range(3))

@@ -241,3 +241,77 @@ def test_padding_function_classes():
     idx = torch.tensor([4, 1])
     assert torch.equal(IndexFirstAxis.apply(x, idx), x[idx])
     assert torch.equal(IndexPutFirstAxis.apply(x[idx], idx, 6)[idx], x[idx])
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "gptj"])
+def test_rotary_on_a_leaf_that_requires_grad(inplace, interleaved):
+    """flash-attn's own rotary tests: x a leaf that requires grad, rotated with inplace=True (its functions are
+    autograd Functions writing into x), then out.backward(g) against the PyTorch reference's gradients; the same
+    for apply_rotary_emb_qkv_ (3-head and GQA layouts, XPos tables for K) and apply_rotary_emb_kv_ on leaves."""
+    from flashcore.layers.rotary import apply_rotary_emb_kv_, apply_rotary_emb_qkv_
+    g = torch.Generator().manual_seed(7)
+    B, S, H, D, ro = 2, 9, 3, 16, 8
+    x = torch.randn(B, S, H, D, generator=g, dtype=torch.float64, requires_grad=True)
+    x_pt = x.detach().clone().requires_grad_()
+    angles = torch.rand(S + 4, ro // 2, generator=g, dtype=torch.float64) * 6
+    cos, sin = angles.cos(), angles.sin()
+    offsets = torch.tensor([0, 3])
+    out = apply_rotary_emb(x, cos, sin, interleaved, inplace, seqlen_offsets=offsets)
+    out_pt = _rotate_reference(x_pt, cos, sin, offsets.tolist(), interleaved)
+    torch.testing.assert_close(out, out_pt)
+    if inplace:
+        torch.testing.assert_close(x.detach(), out_pt.detach())  # written into the leaf
+    grad = torch.randn(out.shape, generator=g, dtype=out.dtype)
+    out.backward(grad)
+    out_pt.backward(grad.clone())
+    torch.testing.assert_close(x.grad, x_pt.grad)
+
+    for nq, shape in ((None, (B, S, 3, 2, D)), (4, (B, S, 8, D))):
+        qkv = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)
+        qkv_pt = qkv.detach().clone().requires_grad_()
+        cos_k, sin_k = cos * 0.5, sin * 0.5
+        out = apply_rotary_emb_qkv_(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets=offsets, num_heads_q=nq)
+        if nq is None:
+            parts = [_rotate_reference(qkv_pt[:, :, 0], cos, sin, offsets.tolist(), interleaved),
+                     _rotate_reference(qkv_pt[:, :, 1], cos_k, sin_k, offsets.tolist(), interleaved), qkv_pt[:, :, 2]]
+            out_pt = torch.stack(parts, dim=2)
+        else:
+            parts = [_rotate_reference(qkv_pt[:, :, :4], cos, sin, offsets.tolist(), interleaved),
+                     _rotate_reference(qkv_pt[:, :, 4:6], cos_k, sin_k, offsets.tolist(), interleaved),
+                     qkv_pt[:, :, 6:]]
+            out_pt = torch.cat(parts, dim=2)
+        torch.testing.assert_close(out, out_pt)
+        grad = torch.randn(out.shape, generator=g, dtype=out.dtype)
+        out.backward(grad)
+        out_pt.backward(grad.clone())
+        torch.testing.assert_close(qkv.grad, qkv_pt.grad)
+
+    kv = torch.randn(B, S, 2, 2, D, generator=g, dtype=torch.float64, requires_grad=True)
+    kv_pt = kv.detach().clone().requires_grad_()
+    out = apply_rotary_emb_kv_(kv, cos, sin, interleaved)
+    out_pt = torch.stack([_rotate_reference(kv_pt[:, :, 0], cos, sin, [0, 0], interleaved), kv_pt[:, :, 1]], dim=2)
+    torch.testing.assert_close(out, out_pt)
+    out.backward(torch.ones_like(out))
+    out_pt.backward(torch.ones_like(out_pt))
+    torch.testing.assert_close(kv.grad, kv_pt.grad)
+
+
+def test_padding_helpers_take_int32_indices_and_the_residual_form():
+    """flash-attn's pad_input writes with output[indices] = values, which takes int32 indices as well as int64;
+    index_first_axis_residual returns the gathered rows and the input, gradients reaching it through both."""
+    from flashcore.bert_padding import IndexFirstAxisResidual, index_first_axis_residual
+    x = torch.randn(3, 8, dtype=torch.float64)
+    for dtype in (torch.int32, torch.int64):
+        idx = torch.tensor([0, 1, 4], dtype=dtype)
+        y = pad_input(x, idx, 2, 3)
+        assert y.shape == (2, 3, 8) and torch.equal(y.view(6, 8)[idx.long()], x)
+        assert not y.view(6, 8)[[2, 3, 5]].any()
+        torch.testing.assert_close(index_first_axis(y.view(6, 8), idx), x, rtol=0, atol=0)
+    inp = torch.randn(5, 4, dtype=torch.float64, requires_grad=True)
+    rows, residual = IndexFirstAxisResidual.apply(inp, torch.tensor([1, 3]))
+    assert index_first_axis_residual is IndexFirstAxisResidual.apply
+    torch.testing.assert_close(rows, inp[[1, 3]], rtol=0, atol=0)
+    (rows.sum() * 2 + residual.sum()).backward()
+    want = torch.tensor([1.0, 3.0, 1.0, 3.0, 1.0], dtype=torch.float64)[:, None].expand(5, 4)
+    torch.testing.assert_close(inp.grad, want)

@@ -492,15 +492,14 @@ def attention_forward(
         cu, max_len = _packed_from_sequence_ids(packed_ids)
         out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
                                 cu, cu, max_len, max_len, **varlen).view(B, Sq, Hq, D)
-    elif (Sq == Sk and torch.compiler.is_compiling()
-          and (restarts := _restarts_in_graph(position_ids, B, Sq)) is not None):
-        # Under torch.compile the restart test above cannot read the ids on the host, and a graph with both forms
-        # (torch.cond) did not compile (inductor mislaid the branches' operand strides). Packed rows without the
-        # cu_seq_lens kwargs would attend across their sequences here: the device refuses them instead.
-        torch._assert_async(~restarts, _PACKED_UNDER_COMPILE)
-        out = _attention(query, key, value, enable_gqa=Hq != Hkv, **options).transpose(1, 2)
     elif Sq == Sk or (not is_causal and window is None):
         # Dense: top-left and bottom-right alignment agree; BHSD views are read in place.
+        if Sq == Sk and torch.compiler.is_compiling():
+            # Under torch.compile the restart test above cannot read the ids on the host, and a graph with both
+            # forms (torch.cond) did not compile (inductor mislaid the branches' operand strides). Packed rows
+            # without the cu_seq_lens kwargs would attend across their sequences here: the device refuses them.
+            if (restarts := _restarts_in_graph(position_ids, B, Sq)) is not None:
+                torch._assert_async(~restarts, _PACKED_UNDER_COMPILE)
         out = _attention(query, key, value, enable_gqa=Hq != Hkv, **options).transpose(1, 2)
     else:
         # Dense against a cache (Sq != Sk): every sequence has Sq queries and Sk keys, bottom-right aligned.

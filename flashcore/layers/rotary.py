@@ -18,7 +18,8 @@ import torch
 from ..ops import packed_rows
 
 __all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_torch", "apply_rotary_emb_qkv_",
-           "apply_rotary_emb_kv_", "RotaryEmbedding", "rotate_half", "rotate_rows"]
+           "apply_rotary_emb_kv_", "ApplyRotaryEmb", "ApplyRotaryEmbQKV_", "ApplyRotaryEmbKV_", "RotaryEmbedding",
+           "rotate_half", "rotate_rows"]
 
 
 def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -47,15 +48,12 @@ def apply_rotary_emb_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat((rotated, x[..., ro_dim:]), dim=-1)
 
 
-def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x (B, S, H, D) with its first 2 * cos.size(-1) dims rotated by per-token angles cos/sin (B, S, rotary_dim / 2)
-    (shared by the heads): computed in float32 (float64 for float64 x) and rounded to x's dtype once. The rotation
-    of apply_rotary_emb and of flash_attn_with_kvcache's rotary_cos/rotary_sin."""
-    half = cos.size(-1)
-    if half == 0 or x.numel() == 0:
-        return x
+def _rotated(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x with its first 2 * c.size(-1) dims rotated by the angles' cos/sin c, s (broadcastable to x[..., :half]):
+    computed in float32 (float64 for float64 x) and rounded to x's dtype once."""
+    half = c.size(-1)
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-    c, s = cos.to(cdt).unsqueeze(-2), sin.to(cdt).unsqueeze(-2)  # (B, S, 1, half)
+    c, s = c.to(cdt), s.to(cdt)
     xr = x[..., : 2 * half].to(cdt)
     if interleaved:
         x0, x1 = xr[..., 0::2], xr[..., 1::2]
@@ -64,6 +62,15 @@ def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleav
         x0, x1 = xr[..., :half], xr[..., half:]
         rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
     return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
+
+
+def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x (B, S, H, D) with its first 2 * cos.size(-1) dims rotated by per-token angles cos/sin (B, S, rotary_dim / 2)
+    (shared by the heads): computed in float32 (float64 for float64 x) and rounded to x's dtype once. The rotation
+    of apply_rotary_emb and of flash_attn_with_kvcache's rotary_cos/rotary_sin."""
+    if cos.size(-1) == 0 or x.numel() == 0:
+        return x
+    return _rotated(x, cos.unsqueeze(-2), sin.unsqueeze(-2), interleaved)
 
 
 def _positions(x, seqlen_offsets, cu_seqlens, max_seqlen):
@@ -80,14 +87,11 @@ def _positions(x, seqlen_offsets, cu_seqlens, max_seqlen):
     return pos.unsqueeze(0)
 
 
-def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
-                     inplace: bool = False, seqlen_offsets: int | torch.Tensor = 0,
-                     cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
-    """x (batch, seqlen, nheads, headdim), or (total_seqlen, nheads, headdim) with cu_seqlens (batch + 1,);
-    cos/sin (seqlen_ro, rotary_dim / 2); seqlen_offsets an int or a (batch,) tensor (the position of each
-    sequence's first token, e.g. a KV cache's length). Returns x rotated in its first rotary_dim dims (written
-    into x with inplace=True)."""
-    fn = "apply_rotary_emb"
+def _token_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_offsets, cu_seqlens, max_seqlen,
+                  fn: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each token's cos/sin, shaped to broadcast over x's heads: (batch, seqlen, 1, half) for x (batch, seqlen,
+    nheads, headdim), (total, 1, half) for packed x (total, nheads, headdim) with cu_seqlens. Rows past seqlen_ro
+    take cos 1, sin 0 (unrotated)."""
     if cos.dim() != 2 or sin.shape != cos.shape:
         raise ValueError(f"{fn}: cos and sin must both be (seqlen_ro, rotary_dim / 2); got {tuple(cos.shape)} and "
                          f"{tuple(sin.shape)}")
@@ -97,33 +101,88 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     if x.dim() != (3 if cu_seqlens is not None else 4):
         raise ValueError(f"{fn}: x must be (batch, seqlen, nheads, headdim), or (total_seqlen, nheads, headdim) with "
                          f"cu_seqlens; got shape {tuple(x.shape)}")
-    xs = x.unsqueeze(0) if cu_seqlens is not None else x
     pos = _positions(x, seqlen_offsets, cu_seqlens, max_seqlen)
     inside = (pos >= 0) & (pos < cos.shape[0])
     row = pos.clamp(0, max(cos.shape[0] - 1, 0))
-    c = torch.where(inside[..., None], cos[row], 1.0)  # (B, S, half)
+    c = torch.where(inside[..., None], cos[row], 1.0)  # (B, S, half), or (1, total, half)
     s = torch.where(inside[..., None], sin[row], 0.0)
-    out = rotate_rows(xs, c, s, interleaved)
     if cu_seqlens is not None:
-        out = out.squeeze(0)
-    if inplace:
-        x[..., : 2 * half] = out[..., : 2 * half]
+        c, s = c.squeeze(0), s.squeeze(0)
+    return c.unsqueeze(-2), s.unsqueeze(-2)
+
+
+# A rotation written into parts of a tensor: (index into the tensor, c, s) per part (_token_tables' shapes).
+_Parts = list[tuple[tuple, torch.Tensor, torch.Tensor]]
+
+
+def _write_rotations(x: torch.Tensor, parts: _Parts, interleaved: bool, transposed: bool = False) -> None:
+    for index, c, s in parts:
+        view = x[index]
+        if c.size(-1) and view.numel():
+            view[..., : 2 * c.size(-1)] = _rotated(view, c, -s if transposed else s, interleaved)[..., : 2 * c.size(-1)]
+
+
+class _RotateLeafInPlace(torch.autograd.Function):
+    """In-place rotation of a tensor whose autograd root is a leaf that requires grad, which autograd cannot
+    record in place: flash-attn's form (its rotary functions are autograd Functions that write in place): the
+    rotation is written into the leaf's memory and the returned view carries its gradient, the transposed
+    rotation (cos, -sin). Other tensors are rotated in place with autograd recording the writes, so that their
+    gradients flow whether the caller uses the returned tensor or its own."""
+
+    @staticmethod
+    def forward(ctx, x, parts, interleaved):
+        ctx.parts, ctx.interleaved = parts, interleaved
+        _write_rotations(x, parts, interleaved)
         return x
-    return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        _write_rotations(grad, ctx.parts, ctx.interleaved, transposed=True)
+        return grad, None, None
+
+
+def _leaf_in_place(x: torch.Tensor) -> bool:
+    """Whether an in-place write into x is one autograd refuses: x is, or views, a leaf that requires grad."""
+    root = x if x._base is None else x._base
+    return torch.is_grad_enabled() and root.requires_grad and root.is_leaf
+
+
+def _rotate_in_place(x: torch.Tensor, parts: _Parts, interleaved: bool) -> torch.Tensor:
+    if _leaf_in_place(x):
+        return _RotateLeafInPlace.apply(x, parts, interleaved)
+    _write_rotations(x, parts, interleaved)
+    return x
+
+
+_ALL = (Ellipsis,)
+
+
+def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
+                     inplace: bool = False, seqlen_offsets: int | torch.Tensor = 0,
+                     cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None) -> torch.Tensor:
+    """x (batch, seqlen, nheads, headdim), or (total_seqlen, nheads, headdim) with cu_seqlens (batch + 1,);
+    cos/sin (seqlen_ro, rotary_dim / 2); seqlen_offsets an int or a (batch,) tensor (the position of each
+    sequence's first token, e.g. a KV cache's length). Returns x rotated in its first rotary_dim dims (written
+    into x with inplace=True)."""
+    c, s = _token_tables(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, "apply_rotary_emb")
+    if inplace:
+        return _rotate_in_place(x, [(_ALL, c, s)], interleaved)
+    return _rotated(x, c, s, interleaved) if c.size(-1) and x.numel() else x.clone()
 
 
 # flash-attn's older name
 apply_rotary_emb_func = apply_rotary_emb
 
 
-def _q_and_k(qkv: torch.Tensor, num_heads_q: int | None, fn: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """Views of Q and K in a packed qkv: (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 *
+def _q_and_k_index(qkv: torch.Tensor, num_heads_q: int | None, fn: str) -> tuple[tuple, tuple]:
+    """Indices of Q and K in a packed qkv: (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 *
     num_heads_k, headdim) with num_heads_q (MQA / GQA)."""
     if qkv.dim() == 5:
         if qkv.shape[2] != 3:
             raise ValueError(f"{fn}: qkv (batch, seqlen, 3, nheads, headdim) must have 3 at dim 2; got shape "
                              f"{tuple(qkv.shape)}")
-        return qkv[:, :, 0], qkv[:, :, 1]
+        return (slice(None), slice(None), 0), (slice(None), slice(None), 1)
     if qkv.dim() != 4 or num_heads_q is None:
         raise ValueError(f"{fn}: qkv must be (batch, seqlen, 3, nheads, headdim), or (batch, seqlen, num_heads_q + 2 "
                          f"* num_heads_k, headdim) with num_heads_q given; got shape {tuple(qkv.shape)} and "
@@ -132,7 +191,8 @@ def _q_and_k(qkv: torch.Tensor, num_heads_q: int | None, fn: str) -> tuple[torch
     if num_heads_q <= 0 or num_heads_k <= 0 or qkv.shape[2] != num_heads_q + 2 * num_heads_k:
         raise ValueError(f"{fn}: qkv's {qkv.shape[2]} heads are not num_heads_q + 2 * num_heads_k with num_heads_q="
                          f"{num_heads_q}")
-    return qkv[:, :, :num_heads_q], qkv[:, :, num_heads_q:num_heads_q + num_heads_k]
+    return (slice(None), slice(None), slice(0, num_heads_q)), \
+        (slice(None), slice(None), slice(num_heads_q, num_heads_q + num_heads_k))
 
 
 def apply_rotary_emb_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cos_k: torch.Tensor | None = None,
@@ -140,21 +200,26 @@ def apply_rotary_emb_qkv_(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tenso
                           seqlen_offsets: int | torch.Tensor = 0, num_heads_q: int | None = None) -> torch.Tensor:
     """Rotates Q and K of a packed qkv in place (V untouched) and returns qkv: (batch, seqlen, 3, nheads, headdim),
     or (batch, seqlen, num_heads_q + 2 * num_heads_k, headdim) with num_heads_q. K takes cos_k/sin_k where given
-    (XPos), else cos/sin; seqlen_offsets as in apply_rotary_emb."""
-    q, k = _q_and_k(qkv, num_heads_q, "apply_rotary_emb_qkv_")
+    (XPos), else cos/sin; seqlen_offsets as in apply_rotary_emb. (A qkv that is, or views, a leaf requiring grad
+    comes back as a view of it carrying the rotation's gradient, as flash-attn's does.)"""
+    fn = "apply_rotary_emb_qkv_"
+    q_index, k_index = _q_and_k_index(qkv, num_heads_q, fn)
+    q = qkv[q_index]
+    c, s = _token_tables(q, cos, sin, seqlen_offsets, None, None, fn)
     if cos_k is None and sin_k is None:  # Q and K share the tables: one pass over both where one view holds them
-        qk = None
+        ck, sk = c, s
         if qkv.dim() == 4:
-            qk = qkv[:, :, :q.shape[2] + k.shape[2]]
-        elif qkv.stride(2) == qkv.shape[3] * qkv.stride(3):  # Q's heads then K's at one stride: (B, S, 2H, D)
-            qk = qkv[:, :, :2].view(qkv.shape[0], qkv.shape[1], 2 * qkv.shape[3], qkv.shape[4])
-        if qk is not None:
-            apply_rotary_emb(qk, cos, sin, interleaved, inplace=True, seqlen_offsets=seqlen_offsets)
+            qk_index = (slice(None), slice(None), slice(0, k_index[2].stop))
+            return _rotate_in_place(qkv, [(qk_index, c, s)], interleaved)
+        if not _leaf_in_place(qkv) and qkv.stride(2) == qkv.shape[3] * qkv.stride(3):
+            # Q's heads then K's at one stride: a (B, S, 2H, D) view (autograd records the write through it)
+            joint = qkv[:, :, :2].view(qkv.shape[0], qkv.shape[1], 2 * qkv.shape[3], qkv.shape[4])
+            _write_rotations(joint, [(_ALL, c, s)], interleaved)
             return qkv
-    apply_rotary_emb(q, cos, sin, interleaved, inplace=True, seqlen_offsets=seqlen_offsets)
-    apply_rotary_emb(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k, interleaved, inplace=True,
-                     seqlen_offsets=seqlen_offsets)
-    return qkv
+    else:
+        ck, sk = _token_tables(qkv[k_index], cos if cos_k is None else cos_k, sin if sin_k is None else sin_k,
+                               seqlen_offsets, None, None, fn)
+    return _rotate_in_place(qkv, [(q_index, c, s), (k_index, ck, sk)], interleaved)
 
 
 def apply_rotary_emb_kv_(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool = False,
@@ -163,8 +228,25 @@ def apply_rotary_emb_kv_(kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
     if kv.dim() != 5 or kv.shape[2] != 2:
         raise ValueError(f"apply_rotary_emb_kv_: kv must be (batch, seqlen, 2, nheads, headdim); got shape "
                          f"{tuple(kv.shape)}")
-    apply_rotary_emb(kv[:, :, 0], cos, sin, interleaved, inplace=True, seqlen_offsets=seqlen_offsets)
-    return kv
+    k_index = (slice(None), slice(None), 0)
+    c, s = _token_tables(kv[k_index], cos, sin, seqlen_offsets, None, None, "apply_rotary_emb_kv_")
+    return _rotate_in_place(kv, [(k_index, c, s)], interleaved)
+
+
+class ApplyRotaryEmb:
+    """flash-attn's autograd-function names: ApplyRotaryEmb.apply(x, cos, sin, interleaved, inplace,
+    seqlen_offsets, cu_seqlens, max_seqlen) is apply_rotary_emb."""
+    apply = staticmethod(apply_rotary_emb)
+
+
+class ApplyRotaryEmbQKV_:  # noqa: N801 (flash-attn's name)
+    """ApplyRotaryEmbQKV_.apply(qkv, cos, sin, cos_k, sin_k, interleaved, seqlen_offsets, num_heads_q)."""
+    apply = staticmethod(apply_rotary_emb_qkv_)
+
+
+class ApplyRotaryEmbKV_:  # noqa: N801
+    """ApplyRotaryEmbKV_.apply(kv, cos, sin, interleaved, seqlen_offsets)."""
+    apply = staticmethod(apply_rotary_emb_kv_)
 
 
 class RotaryEmbedding(torch.nn.Module):
