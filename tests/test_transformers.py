@@ -603,6 +603,21 @@ def test_models_outside_the_attention_interface_raise(config):
         model(torch.randint(0, 64, (1, 8)))
 
 
+@pytest.mark.parametrize("tower", ["align", "clap"])
+def test_sub_model_towers_outside_the_attention_interface_raise(tower):
+    """ALIGN's and CLAP's text towers declare no backend support either, and their attention modules carry no
+    is_causal: run anyway they would be causal. The mask function sees the tower's own config (AlignTextConfig),
+    which the auto mapping does not list; the refusal finds the tower's model class through its modeling module."""
+    import transformers as T
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    cls, cfg = {"align": (T.AlignTextModel, T.AlignTextConfig), "clap": (T.ClapTextModel, T.ClapTextConfig)}[tower]
+    model = cls._from_config(cfg(**small), attn_implementation=fct.NAME)
+    with pytest.raises(NotImplementedError, match="compute attention themselves"):
+        model(torch.randint(2, 64, (2, 8)))
+    assert fct._model_classes_of(T.LlamaConfig) and not fct._model_classes_of(type("Custom", (), {}))
+
+
 def test_target_dtype_of_quantized_models():
     """A float32 query (fp32 norms of a k-bit training setup) on a quantized model runs in the config's compute
     dtype, as transformers' flash-attn backend picks it, not its first Linear's storage dtype (uint8 there)."""

@@ -32,9 +32,11 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
   attention_mask: the mask function hands transformers' sequence ids to the attention function), and, for models
   whose masks do not see position_ids (GPT-OSS), where they restart, flash_attention_2's rule. Either runs the
   varlen op. The mask function's parts are read outside tracing only, so under torch.compile only the
-  cu_seq_lens kwargs pack (a plain forward then compiles with fullgraph=True; flash_attention_2's own
-  position_ids check breaks the graph); position_ids that restart inside a row without them raise there (a
-  device-side check) rather than attend across the sequences.
+  cu_seq_lens kwargs pack (a forward with no padding mask and no static cache then compiles with fullgraph=True;
+  flash_attention_2's own position_ids check breaks the graph); position_ids that restart inside a row without
+  them raise there (a device-side check) rather than attend across the sequences. Padding masks and static
+  caches read lengths on the host (unpadding, as flash_attention_2 does): under torch.compile they break the
+  graph (fullgraph=False compiles around them; fullgraph=True raises).
 * ``sliding_window=w``: query i sees keys i - w + 1 .. i (flash-attn's window_size=(w - 1, w - 1), exactly as
   transformers' flash_attention_2 converts it; w keys in all, transformers' mask convention).
 * ``softcap`` (Gemma 2), ``s_aux`` (GPT-OSS's attention sinks, differentiable), ``scaling``, GQA/MQA (k/v with fewer
@@ -194,6 +196,29 @@ def _packed_sequence_ids(parts):
 _ATTENTION_INTERFACE_MODELS: dict = {}  # config class -> whether its model runs attention through AttentionInterface
 
 
+def _model_classes_of(config_class) -> list:
+    """transformers' model classes built from config_class: the auto mapping's, or, for a sub-model's config that
+    the mapping does not list (AlignTextConfig, ClapTextConfig: the mask function sees the text tower's config),
+    the PreTrainedModel classes of the config's modeling module whose config_class it is. [] for a custom model."""
+    try:
+        from transformers.models.auto.modeling_auto import MODEL_MAPPING
+        return [MODEL_MAPPING[config_class]]
+    except Exception:
+        pass
+    module = getattr(config_class, "__module__", "")
+    if not module.startswith("transformers.models.") or ".configuration_" not in module:
+        return []
+    try:
+        import importlib
+
+        from transformers import PreTrainedModel
+        modeling = importlib.import_module(module.replace(".configuration_", ".modeling_"))
+    except Exception:
+        return []
+    return [c for c in vars(modeling).values() if isinstance(c, type) and issubclass(c, PreTrainedModel)
+            and getattr(c, "config_class", None) is config_class]
+
+
 def _check_model_uses_attention_interface(config):
     """Models that declare neither _supports_attention_backend nor _supports_flash_attn (BLOOM, XGLM, MPT, T5, ...)
     either compute attention themselves, adding this backend's padding mask (None, or 2-D) to their scores as if it
@@ -203,14 +228,10 @@ def _check_model_uses_attention_interface(config):
         return
     key = type(config)
     if key not in _ATTENTION_INTERFACE_MODELS:
-        try:
-            from transformers.models.auto.modeling_auto import MODEL_MAPPING
-            model_class = MODEL_MAPPING[key]
-        except Exception:  # not an auto-mapped config (a custom model): nothing to check against
-            model_class = None
-        _ATTENTION_INTERFACE_MODELS[key] = model_class is None or bool(
-            getattr(model_class, "_supports_attention_backend", False) or getattr(model_class, "_supports_flash_attn",
-                                                                                  False))
+        classes = _model_classes_of(key)  # none: a custom model, nothing to check against
+        _ATTENTION_INTERFACE_MODELS[key] = all(
+            getattr(c, "_supports_attention_backend", False) or getattr(c, "_supports_flash_attn", False)
+            for c in classes)
     if not _ATTENTION_INTERFACE_MODELS[key]:
         raise NotImplementedError(
             f"attn_implementation={NAME!r}: {key.__name__.removesuffix('Config')} models declare no support for "
@@ -359,7 +380,9 @@ def _refuse_unsupported(dropout, kwargs):
     if dropout:
         raise NotImplementedError(
             f"attn_implementation={NAME!r}: attention dropout={dropout} is not supported (flashcore has no attention "
-            "dropout). Set config.attention_dropout=0.0, call model.eval(), or use attn_implementation='sdpa'."
+            "dropout). Set the model's attention dropout to 0 (config.attention_dropout, or "
+            "attention_probs_dropout_prob / attn_pdrop, by model), call model.eval(), or use "
+            "attn_implementation='sdpa'."
         )
     if kwargs.get("position_bias") is not None:
         raise NotImplementedError(
