@@ -570,6 +570,65 @@ def test_compile_fullgraph():
                                atol=1e-4)
 
 
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_compiled_static_cache_generation_without_graph_breaks(kind):
+    """generate(cache_implementation="static") under torch.compile(fullgraph=True) (transformers compiles the
+    decoding step so on a GPU): the static cache's written length and the padding mask stay on the device
+    (_masked_attention_in_graph), so no graph break and no recompilation per step; the tokens of eager from
+    left-padded prompts (Mistral's window outgrown)."""
+    import torch._dynamo
+    from transformers import CompileConfig
+
+    ref, model = pair(kind)
+    ids, mask = prompts([7, 11, 4])
+    kw = dict(attention_mask=mask, max_new_tokens=12, min_new_tokens=12, do_sample=False,
+              cache_implementation="static")
+    config = CompileConfig(fullgraph=True, backend="eager")
+    config._compile_all_devices = True  # transformers compiles the decoding step on accelerators only
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    with torch.no_grad():
+        want = ref.generate(ids, **kw)
+        got = model.generate(ids, compile_config=config, **kw)
+    assert torch.equal(got, want), f"generations differ at {(got != want).nonzero().tolist()[:8]}"
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4  # not one per step
+
+
+def test_compiled_padding_masks_in_graph():
+    """Under torch.compile(fullgraph=True): an encoder's right-padded batch and a left-padded decode step read no
+    lengths on the host and match eager (padded positions aside); a mask whose valid keys are not one run (right
+    padding followed by a new token) is refused on the device, never attended wrongly."""
+    import torch._dynamo
+    import transformers as T
+
+    small = dict(vocab_size=COMMON["vocab_size"], hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                 num_attention_heads=4)
+    ids, mask = prompts([9, 5, 12], side="right")
+    enc_ref, enc = (_seeded(T.BertModel, T.BertConfig(**small), impl) for impl in ("eager", fct.NAME))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = enc_ref(ids, attention_mask=mask).last_hidden_state
+        got = torch.compile(enc, fullgraph=True, backend="eager")(ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(got * mask[..., None], want * mask[..., None], rtol=1e-4, atol=1e-4)
+
+    ref, model = pair("llama")
+    step = torch.compile(model, fullgraph=True, backend="eager")
+    for side, refused in (("left", False), ("right", True)):
+        ids, mask = prompts([9, 5, 12], side=side)
+        new = torch.randint(2, 64, (3, 1))
+        mask2 = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+        with torch.no_grad():
+            cache = model(ids, attention_mask=mask, use_cache=True).past_key_values
+            if refused:
+                with pytest.raises(RuntimeError, match="not one run"):
+                    step(new, attention_mask=mask2, past_key_values=cache, use_cache=True)
+                continue
+            ref_cache = ref(ids, attention_mask=mask, use_cache=True).past_key_values
+            want = ref(new, attention_mask=mask2, past_key_values=ref_cache, use_cache=True).logits
+            got = step(new, attention_mask=mask2, past_key_values=cache, use_cache=True).logits
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+
+
 def test_compile_refuses_packed_position_ids_without_boundaries():
     """Under torch.compile the backend cannot read position_ids on the host: a flattened batch described by
     position_ids alone (DataCollatorWithFlattening's default) raises, naming the kwargs that pack it, instead of

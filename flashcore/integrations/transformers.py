@@ -35,8 +35,13 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
   cu_seq_lens kwargs pack (a forward with no padding mask and no static cache then compiles with fullgraph=True;
   flash_attention_2's own position_ids check breaks the graph); position_ids that restart inside a row without
   them raise there (a device-side check) rather than attend across the sequences. Padding masks and static
-  caches read lengths on the host (unpadding, as flash_attention_2 does): under torch.compile they break the
-  graph (fullgraph=False compiles around them; fullgraph=True raises).
+  caches under torch.compile stay on the device where the valid keys of a row are one run (left padding, a
+  static cache's written slots, an encoder's right padding): the run goes to the varlen op in place
+  (cu_seqlens_k at its start, seqused_k its length), so a compiled static-cache generate (transformers compiles
+  its decoding step) runs with fullgraph=True and no recompilation per step; a mask of another form (right
+  padding with new tokens after it) raises on the device. A padded causal batch with as many queries as keys
+  (training) is unpadded on the host as flash_attention_2 does: a graph break (fullgraph=False compiles around
+  it).
 * ``sliding_window=w``: query i sees keys i - w + 1 .. i (flash-attn's window_size=(w - 1, w - 1), exactly as
   transformers' flash_attention_2 converts it; w keys in all, transformers' mask convention).
 * ``softcap`` (Gemma 2), ``s_aux`` (GPT-OSS's attention sinks, differentiable), ``scaling``, GQA/MQA (k/v with fewer
@@ -263,6 +268,19 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     # Causal masks only (create_bidirectional_mask, also used for cross-attention, passes allow_is_bidirectional_skip)
     from_start = kv_offset == 0 and "allow_is_bidirectional_skip" not in kwargs and not isinstance(kv_length,
                                                                                                   torch.Tensor)
+    tracing = torch.compiler.is_compiling()
+    if from_start and isinstance(written, torch.Tensor) and tracing:
+        # A static cache under torch.compile: int(written) would break the graph and specialize it on every step.
+        # The mask covers the cache's kv_length slots instead, False past the keys written so far; the attention
+        # function takes it without host reads (_masked_attention_in_graph).
+        slots = torch.arange(kv_length, device=written.device)[None, :] < written.reshape(-1)[:1, None]
+        mask = slots.expand(batch_size, kv_length)
+        if attention_mask is not None:
+            given = attention_mask[:, :kv_length].bool()
+            if given.shape[1] < kv_length:
+                given = F.pad(given, (0, kv_length - given.shape[1]))
+            mask = mask & given
+        return mask
     if from_start:
         written = int(written)  # a tensor for static caches
     if attention_mask is not None:
@@ -270,7 +288,7 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
             attention_mask = attention_mask[:, :written]  # slots past the written keys: never attended to
         # Slice from the right for sliding-window caches (a no-op for full attention).
         attention_mask = attention_mask[:, -kv_length:]
-        if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        if not tracing and attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             attention_mask = None
         # bool: the attention function reads an int32 mask as packed sequence ids (_packed_sequence_ids)
         return attention_mask if attention_mask is None else attention_mask.bool()
@@ -438,6 +456,39 @@ def _padded_attention(q, k, v, attention_mask, aligned, varlen):
     return out
 
 
+_MASK_NOT_ONE_RUN = (
+    f"attn_implementation={NAME!r} under torch.compile: a padding mask whose valid keys are not one run per row "
+    "(right padding followed by new tokens); pad on the left for generation, or run the model eagerly"
+)
+
+
+def _masked_attention_in_graph(q, k, v, attention_mask, varlen):
+    """_padded_attention without host reads, for torch.compile: the valid keys of each row must form one run
+    (left or right padding, a static cache's written slots), given to the varlen op in place as a sequence that
+    starts at the run (cu_seqlens_k) and uses its length (seqused_k), with every query row of the row (bottom-right
+    aligned: the queries are the run's last Sq positions, so padded query rows see no key and give 0). The
+    longest lengths passed are the shapes' (bounds, as the op allows). A mask of another form raises on the device.
+    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) BSHD views; returns out (B, Sq, Hq, D)."""
+    B, Sq, Hq, D = q.shape
+    Sk, Hkv = k.shape[1], k.shape[2]
+    mask = attention_mask.to(device=q.device, dtype=torch.bool)
+    if mask.shape[1] < Sk:  # slots past the mask were never written
+        mask = F.pad(mask, (0, Sk - mask.shape[1]))
+    elif mask.shape[1] > Sk:
+        mask = mask[:, -Sk:]
+    count = mask.sum(dim=-1, dtype=torch.int32)
+    first = mask.to(torch.int32).argmax(dim=-1).to(torch.int32)  # 0 for a row without keys (count 0)
+    pos = torch.arange(Sk, device=q.device, dtype=torch.int32)[None, :]
+    run = (pos >= first[:, None]) & (pos < (first + count)[:, None])
+    torch._assert_async((run == mask).all(), _MASK_NOT_ONE_RUN)
+    rows = torch.arange(B, device=q.device, dtype=torch.int32)
+    cu_k = torch.cat([rows * Sk + first, rows.new_full((1,), B * Sk)])
+    cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=q.device)
+    out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D), cu_q,
+                            cu_k, Sq, Sk, seqused_k=count, **varlen)
+    return out.view(B, Sq, Hq, D)
+
+
 def attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -499,8 +550,14 @@ def attention_forward(
     # BSHD views; the varlen op takes (total, H, D) rows.
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
 
-    if attention_mask is not None:
-        out = _padded_attention(q, k, v, attention_mask, is_causal or window is not None, varlen)
+    aligned = is_causal or window is not None
+    if attention_mask is not None and torch.compiler.is_compiling() and (Sq < Sk or not aligned):
+        # Decoding against a cache, a static cache's prefill, encoders: no host reads under tracing. (Causal
+        # self-attention over a padded batch, Sq == Sk, keeps the unpadding below: right padding is one run too,
+        # but its queries are not the run's last.)
+        out = _masked_attention_in_graph(q, k, v, attention_mask, varlen)
+    elif attention_mask is not None:
+        out = _padded_attention(q, k, v, attention_mask, aligned, varlen)
     elif all(x is not None for x in (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)):
         # Padding-free batch with precomputed boundaries (DataCollatorWithFlattening(return_flash_attn_kwargs=True)).
         cu_q = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
