@@ -591,7 +591,9 @@ def test_compiled_static_cache_generation_without_graph_breaks(kind):
         want = ref.generate(ids, **kw)
         got = model.generate(ids, compile_config=config, **kw)
     assert torch.equal(got, want), f"generations differ at {(got != want).nonzero().tolist()[:8]}"
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 4  # not one per step
+    # not one per step or length (12 steps): sdpa compiles 1 (llama) and 2 (mistral) graphs here, this backend one
+    # more for mistral, whose sliding layers switch to a window mask once the cache outgrows the window
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] <= 3
 
 
 def test_compiled_padding_masks_in_graph():

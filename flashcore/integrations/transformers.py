@@ -268,32 +268,30 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
     # Causal masks only (create_bidirectional_mask, also used for cross-attention, passes allow_is_bidirectional_skip)
     from_start = kv_offset == 0 and "allow_is_bidirectional_skip" not in kwargs and not isinstance(kv_length,
                                                                                                   torch.Tensor)
-    tracing = torch.compiler.is_compiling()
-    if from_start and isinstance(written, torch.Tensor) and tracing:
-        # A static cache under torch.compile: int(written) would break the graph and specialize it on every step.
-        # The mask covers the cache's kv_length slots instead, False past the keys written so far; the attention
-        # function takes it without host reads (_masked_attention_in_graph).
-        slots = torch.arange(kv_length, device=written.device)[None, :] < written.reshape(-1)[:1, None]
-        mask = slots.expand(batch_size, kv_length)
+    if from_start and (isinstance(written, torch.Tensor) or written < kv_length):
+        # A static cache (a tensor offset; kv_length its capacity): a mask of all kv_length slots, False past the
+        # keys written so far, built on the device. Its shape is the same at every step, so a compiled decoding
+        # step (transformers builds this mask outside it and passes it in) is neither recompiled nor re-recorded
+        # in a CUDA graph per length, and no host read is needed (_masked_attention_in_graph takes it as it is).
+        device = written.device if isinstance(written, torch.Tensor) else kwargs.get("device")
+        if attention_mask is not None:
+            device = attention_mask.device
+        limit = written.reshape(-1)[:1, None] if isinstance(written, torch.Tensor) else written
+        mask = (torch.arange(kv_length, device=device)[None, :] < limit).expand(batch_size, kv_length)
         if attention_mask is not None:
             given = attention_mask[:, :kv_length].bool()
             if given.shape[1] < kv_length:
                 given = F.pad(given, (0, kv_length - given.shape[1]))
             mask = mask & given
         return mask
-    if from_start:
-        written = int(written)  # a tensor for static caches
     if attention_mask is not None:
-        if from_start and attention_mask.shape[1] > written:
-            attention_mask = attention_mask[:, :written]  # slots past the written keys: never attended to
         # Slice from the right for sliding-window caches (a no-op for full attention).
         attention_mask = attention_mask[:, -kv_length:]
-        if not tracing and attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
+        if (not torch.compiler.is_compiling() and attention_mask.shape[1] == kv_length
+                and bool(attention_mask.all())):
             attention_mask = None
         # bool: the attention function reads an int32 mask as packed sequence ids (_packed_sequence_ids)
         return attention_mask if attention_mask is None else attention_mask.bool()
-    if from_start and written < kv_length:  # a static cache: kv_length is its capacity, the slots past `written`
-        return torch.ones(batch_size, written, dtype=torch.bool, device=kwargs.get("device"))  # are empty
     return None
 
 
@@ -426,6 +424,12 @@ def _padded_attention(q, k, v, attention_mask, aligned, varlen):
         k, v, Sk = k[:, : mask.shape[1]], v[:, : mask.shape[1]], mask.shape[1]
     elif mask.shape[1] > Sk:
         mask = mask[:, -Sk:]
+    if aligned and Sq < Sk:
+        # A static cache's mask covers its capacity, False past the keys written so far: the queries are the last
+        # Sq of those, so the keys end at the last written column.
+        written = mask.any(dim=0).nonzero()
+        end = int(written[-1]) + 1 if written.numel() else Sk
+        mask, k, v, Sk = mask[:, :end], k[:, :end], v[:, :end], end
     lengths_k = mask.sum(dim=-1, dtype=torch.int32)
     idx_k = mask.flatten().nonzero().flatten()
     k_rows = k.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
