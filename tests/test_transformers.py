@@ -631,6 +631,23 @@ def test_compiled_padding_masks_in_graph():
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_restarting_position_ids_split_one_row_batches_only():
+    """flash_attention_2's rule for position_ids that restart without a mask or boundaries (_is_packed_sequence): a
+    one-row batch is a flattened batch of sequences (each attends within itself); rows of a batch of several are
+    each one sequence, as eager attends them under a cache (its mask splits only without one)."""
+    ref, got = pair("llama")
+    pos = torch.tensor([[0, 1, 2, 3, 0, 1, 2, 0, 1, 2, 3, 4]])
+    ids = prompts([12, 12])[0]
+    with torch.no_grad():
+        torch.testing.assert_close(got(ids, position_ids=pos.expand(2, -1), use_cache=True).logits,
+                                   ref(ids, position_ids=pos.expand(2, -1), use_cache=True).logits,
+                                   rtol=1e-4, atol=1e-4)
+        one = got(ids[:1], position_ids=pos, use_cache=True).logits
+        for a, b in ((0, 4), (4, 7), (7, 12)):
+            alone = ref(ids[:1, a:b], position_ids=pos[:, a:b] - pos[0, a], use_cache=False).logits
+            torch.testing.assert_close(one[:, a:b], alone, rtol=1e-4, atol=1e-4)
+
+
 def test_compile_refuses_packed_position_ids_without_boundaries():
     """Under torch.compile the backend cannot read position_ids on the host: a flattened batch described by
     position_ids alone (DataCollatorWithFlattening's default) raises, naming the kwargs that pack it, instead of

@@ -327,9 +327,11 @@ def _target_dtype(query: torch.Tensor, module) -> torch.dtype:
 
 
 def _position_steps(position_ids, batch_size, seq_len):
-    """torch.diff of position_ids (batch, seq_len) along the tokens, or None where they cannot describe packed rows
-    (none given, one token, or another shape: e.g. the 3-D multimodal rotary ids of Qwen2-VL)."""
-    if position_ids is None or not isinstance(position_ids, torch.Tensor) or seq_len <= 1:
+    """torch.diff of position_ids (1, seq_len) along the tokens, or None where they cannot describe a flattened
+    batch: none given, one token, a batch of several rows (flash_attention_2's rule, _is_packed_sequence: padding-free
+    batches are one row; with several rows eager and sdpa split sequences only through the mask function, which
+    _packed_sequence_ids follows), or another shape (the 3-D multimodal rotary ids of Qwen2-VL)."""
+    if position_ids is None or not isinstance(position_ids, torch.Tensor) or seq_len <= 1 or batch_size != 1:
         return None
     if position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
@@ -339,8 +341,9 @@ def _position_steps(position_ids, batch_size, seq_len):
 
 
 def _packed_from_position_ids(position_ids, batch_size, seq_len):
-    """Sequence ids (batch, seq_len) from position_ids that restart (decrease somewhere: flash_attention_2's test
-    for packed sequences, which transformers applies whatever the cache), a step other than +1 starting a new
+    """Sequence ids (1, seq_len) from position_ids that restart (decrease somewhere: flash_attention_2's test for
+    packed sequences, which transformers applies to one-row batches whatever the cache), a step other than +1
+    starting a new
     sequence (transformers' find_packed_sequence_indices); None when they do not restart. For the models whose mask
     functions do not see position_ids (_packed_sequence_ids finds nothing there), e.g. GPT-OSS. One sync."""
     steps = _position_steps(position_ids, batch_size, seq_len)
