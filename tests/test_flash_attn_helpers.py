@@ -266,6 +266,18 @@ def test_rotary_on_a_leaf_that_requires_grad(inplace, interleaved):
     out.backward(grad)
     out_pt.backward(grad.clone())
     torch.testing.assert_close(x.grad, x_pt.grad)
+    if not inplace:
+        return  # the packed forms below are in place only
+
+    base = torch.randn(2 * B, S, H, D, generator=g, dtype=torch.float64)
+    view = base[:B].requires_grad_()  # a view made a leaf itself
+    view_pt = view.detach().clone().requires_grad_()
+    out = apply_rotary_emb(view, cos, sin, interleaved, True)
+    out_pt = _rotate_reference(view_pt, cos, sin, [0] * B, interleaved)
+    torch.testing.assert_close(base[:B], out_pt.detach())
+    out.transpose(-1, -2).sum().backward()  # a non-contiguous gradient
+    out_pt.transpose(-1, -2).sum().backward()
+    torch.testing.assert_close(view.grad, view_pt.grad)
 
     for nq, shape in ((None, (B, S, 3, 2, D)), (4, (B, S, 8, D))):
         qkv = torch.randn(*shape, generator=g, dtype=torch.float64, requires_grad=True)

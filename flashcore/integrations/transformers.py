@@ -25,7 +25,8 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
   and every query row attends to its row's keys as under eager/sdpa.
 * KV cache (generation, Sq < Sk): causal masking and sliding windows are aligned bottom-right (query i of a sequence
   with Sq queries and Sk keys sees keys j <= i + Sk - Sq), through the varlen op. Static caches work too: the mask
-  function then gives a mask of the keys written so far and the unwritten slots are not attended to.
+  function then gives a mask of the cache's capacity, False past the keys written so far, and the unwritten slots
+  are not attended to.
 * packed sequences (padding-free training, ``DataCollatorWithFlattening``): the ``cu_seq_lens_q/k`` and
   ``max_length_q/k`` kwargs when given; otherwise ``position_ids`` (a step other than +1 starts a new sequence)
   split each row into sequences where transformers' masks split them for eager and sdpa (no cache, no
@@ -207,7 +208,8 @@ def _model_classes_of(config_class) -> list:
     the PreTrainedModel classes of the config's modeling module whose config_class it is. [] for a custom model."""
     try:
         from transformers.models.auto.modeling_auto import MODEL_MAPPING
-        return [MODEL_MAPPING[config_class]]
+        classes = MODEL_MAPPING[config_class]  # a class, or a tuple of them (Funnel)
+        return list(classes) if isinstance(classes, (tuple, list)) else [classes]
     except Exception:
         pass
     module = getattr(config_class, "__module__", "")
@@ -249,8 +251,10 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
                  attention_mask=None, **kwargs):
     """The mask function registered with AttentionMaskInterface: the 2-D (batch, kv_len) bool padding mask sliced to
     the keys of this layer, or None when no key is padded (flash-attn's rule: causality and windows are applied by
-    the kernel). With a static cache, the mask of the keys written so far, so the unwritten slots of the cache are
-    never attended to (a caller's mask as long as the cache is cut there too). Patterns the kernels cannot apply
+    the kernel). With a static cache, a mask of the cache's capacity, False past the keys written so far (the
+    unwritten slots are never attended to), built on the device. A causal mask's right padding among the call's
+    queries is marked valid (_keys_end_at_the_last_query), so that every row's keys end at its queries. Patterns
+    the kernels cannot apply
     raise instead of being dropped (_check_mask_function): chunked attention longer than a chunk (Llama 4;
     transformers raises the same for flash-attn), block-wise prefix masks with blocks in the input (PaliGemma,
     Gemma 3 images) and custom and_mask_function restrictions."""
@@ -283,16 +287,32 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
             if given.shape[1] < kv_length:
                 given = F.pad(given, (0, kv_length - given.shape[1]))
             mask = mask & given
-        return mask
+        return _keys_end_at_the_last_query(mask, limit, q_length)
     if attention_mask is not None:
+        if from_start and attention_mask.shape[1] > written:
+            attention_mask = attention_mask[:, :written]  # slots past the written keys: never attended to
         # Slice from the right for sliding-window caches (a no-op for full attention).
-        attention_mask = attention_mask[:, -kv_length:]
+        attention_mask = attention_mask[:, -kv_length:].bool()
+        if from_start and written > q_length:  # queries after cached keys: the last q_length columns
+            attention_mask = _keys_end_at_the_last_query(attention_mask, attention_mask.shape[1], q_length)
         if (not torch.compiler.is_compiling() and attention_mask.shape[1] == kv_length
                 and bool(attention_mask.all())):
             attention_mask = None
         # bool: the attention function reads an int32 mask as packed sequence ids (_packed_sequence_ids)
-        return attention_mask if attention_mask is None else attention_mask.bool()
+        return attention_mask
     return None
+
+
+def _keys_end_at_the_last_query(mask, written, q_length):
+    """A causal (batch, L) key mask whose columns [written - q_length, written) hold the call's queries (written: an
+    int or a (1, 1) tensor): a row's padding after its last token (right padding) inside those columns becomes True.
+    Under the causal mask no token of the row sees those keys, so no valid output changes, and every row's keys
+    then end at the last query column, where the attention aligns its queries (bottom-right: the eager unpadding
+    and _masked_attention_in_graph alike); the padded queries attend like the others instead of giving 0. A row
+    without tokens keeps none before the query columns."""
+    pos = torch.arange(mask.shape[1], device=mask.device)[None, :]
+    last = torch.where(mask, pos, -1).amax(dim=1, keepdim=True)
+    return mask | ((pos > last) & (pos >= written - q_length) & (pos < written))
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -327,11 +347,9 @@ def _target_dtype(query: torch.Tensor, module) -> torch.dtype:
 
 
 def _position_steps(position_ids, batch_size, seq_len):
-    """torch.diff of position_ids (1, seq_len) along the tokens, or None where they cannot describe a flattened
-    batch: none given, one token, a batch of several rows (flash_attention_2's rule, _is_packed_sequence: padding-free
-    batches are one row; with several rows eager and sdpa split sequences only through the mask function, which
-    _packed_sequence_ids follows), or another shape (the 3-D multimodal rotary ids of Qwen2-VL)."""
-    if position_ids is None or not isinstance(position_ids, torch.Tensor) or seq_len <= 1 or batch_size != 1:
+    """torch.diff of position_ids (batch, seq_len) along the tokens, or None where they cannot describe packed rows
+    (none given, one token, or another shape: e.g. the 3-D multimodal rotary ids of Qwen2-VL)."""
+    if position_ids is None or not isinstance(position_ids, torch.Tensor) or seq_len <= 1:
         return None
     if position_ids.dim() == 1:
         position_ids = position_ids.unsqueeze(0)
@@ -341,11 +359,14 @@ def _position_steps(position_ids, batch_size, seq_len):
 
 
 def _packed_from_position_ids(position_ids, batch_size, seq_len):
-    """Sequence ids (1, seq_len) from position_ids that restart (decrease somewhere: flash_attention_2's test for
-    packed sequences, which transformers applies to one-row batches whatever the cache), a step other than +1
-    starting a new
-    sequence (transformers' find_packed_sequence_indices); None when they do not restart. For the models whose mask
-    functions do not see position_ids (_packed_sequence_ids finds nothing there), e.g. GPT-OSS. One sync."""
+    """Sequence ids (1, seq_len) from position_ids that restart (decrease somewhere) in a one-row batch: a
+    flattened batch, as flash_attention_2 detects it (_is_packed_sequence, whatever the cache), a step other than +1
+    starting a new sequence (transformers' find_packed_sequence_indices); None otherwise. Rows of a larger batch
+    stay one sequence each here, as eager attends them under a cache (without one, its mask function splits them,
+    and _packed_sequence_ids follows it). For the models whose mask functions do not see position_ids, e.g.
+    GPT-OSS. One sync."""
+    if batch_size != 1:
+        return None
     steps = _position_steps(position_ids, batch_size, seq_len)
     if steps is None or not bool((steps < 0).any()):
         return None
@@ -423,13 +444,14 @@ def _padded_attention(q, k, v, attention_mask, aligned, varlen):
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
     mask = attention_mask.to(device=q.device, dtype=torch.bool)
-    if mask.shape[1] < Sk:  # a static cache: keys beyond the mask were never written
+    if mask.shape[1] < Sk:  # a mask shorter than the cache: the keys beyond it were never written
         k, v, Sk = k[:, : mask.shape[1]], v[:, : mask.shape[1]], mask.shape[1]
     elif mask.shape[1] > Sk:
         mask = mask[:, -Sk:]
     if aligned and Sq < Sk:
         # A static cache's mask covers its capacity, False past the keys written so far: the queries are the last
-        # Sq of those, so the keys end at the last written column.
+        # Sq of those, so the keys end at the last written column (every row's: padding_mask marks a row's
+        # trailing padding among the queries valid).
         written = mask.any(dim=0).nonzero()
         end = int(written[-1]) + 1 if written.numel() else Sk
         mask, k, v, Sk = mask[:, :end], k[:, :end], v[:, :end], end
@@ -465,16 +487,20 @@ def _padded_attention(q, k, v, attention_mask, aligned, varlen):
 
 _MASK_NOT_ONE_RUN = (
     f"attn_implementation={NAME!r} under torch.compile: a padding mask whose valid keys are not one run per row "
-    "(right padding followed by new tokens); pad on the left for generation, or run the model eagerly"
+    "ending at the queries (right padding followed by new tokens); pad on the left for generation, or run the "
+    "model eagerly"
 )
 
 
-def _masked_attention_in_graph(q, k, v, attention_mask, varlen):
+def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen):
     """_padded_attention without host reads, for torch.compile: the valid keys of each row must form one run
-    (left or right padding, a static cache's written slots), given to the varlen op in place as a sequence that
-    starts at the run (cu_seqlens_k) and uses its length (seqused_k), with every query row of the row (bottom-right
-    aligned: the queries are the run's last Sq positions, so padded query rows see no key and give 0). The
-    longest lengths passed are the shapes' (bounds, as the op allows). A mask of another form raises on the device.
+    (left padding, a static cache's written slots, an encoder's right padding; a causal mask's right padding among
+    the queries is made part of the run by padding_mask), given to the varlen op in place as a sequence that starts
+    at the run (cu_seqlens_k) and uses its length (seqused_k), with every query row of the row. aligned (causal or
+    windowed): the queries are the run's last Sq positions (bottom-right), so every row's run must end at the same
+    column, the last query's; padded query rows before a left-padded run see no key and give 0. The longest
+    lengths passed are the shapes' (bounds, as the op allows). A mask of another form fails a device-side check
+    (on CUDA a device assert, which ends the process's CUDA context: run such inputs eagerly).
     q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) BSHD views; returns out (B, Sq, Hq, D)."""
     B, Sq, Hq, D = q.shape
     Sk, Hkv = k.shape[1], k.shape[2]
@@ -486,8 +512,11 @@ def _masked_attention_in_graph(q, k, v, attention_mask, varlen):
     count = mask.sum(dim=-1, dtype=torch.int32)
     first = mask.to(torch.int32).argmax(dim=-1).to(torch.int32)  # 0 for a row without keys (count 0)
     pos = torch.arange(Sk, device=q.device, dtype=torch.int32)[None, :]
-    run = (pos >= first[:, None]) & (pos < (first + count)[:, None])
-    torch._assert_async((run == mask).all(), _MASK_NOT_ONE_RUN)
+    end = first + count
+    ok = ((pos >= first[:, None]) & (pos < end[:, None]) == mask).all()
+    if aligned:  # the queries are the last Sq columns of every row's run
+        ok = ok & ((end == end.max()) | (count == 0)).all()
+    torch._assert_async(ok, _MASK_NOT_ONE_RUN)
     rows = torch.arange(B, device=q.device, dtype=torch.int32)
     cu_k = torch.cat([rows * Sk + first, rows.new_full((1,), B * Sk)])
     cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=q.device)
@@ -560,9 +589,9 @@ def attention_forward(
     aligned = is_causal or window is not None
     if attention_mask is not None and torch.compiler.is_compiling() and (Sq < Sk or not aligned):
         # Decoding against a cache, a static cache's prefill, encoders: no host reads under tracing. (Causal
-        # self-attention over a padded batch, Sq == Sk, keeps the unpadding below: right padding is one run too,
-        # but its queries are not the run's last.)
-        out = _masked_attention_in_graph(q, k, v, attention_mask, varlen)
+        # self-attention over a padded batch with Sq == Sk keeps the unpadding below: a right-padded row is one
+        # run, but its queries are not the run's last.)
+        out = _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen)
     elif attention_mask is not None:
         out = _padded_attention(q, k, v, attention_mask, aligned, varlen)
     elif all(x is not None for x in (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)):

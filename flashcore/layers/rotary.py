@@ -126,8 +126,7 @@ class _RotateLeafInPlace(torch.autograd.Function):
     """In-place rotation of a tensor whose autograd root is a leaf that requires grad, which autograd cannot
     record in place: flash-attn's form (its rotary functions are autograd Functions that write in place): the
     rotation is written into the leaf's memory and the returned view carries its gradient, the transposed
-    rotation (cos, -sin). Other tensors are rotated in place with autograd recording the writes, so that their
-    gradients flow whether the caller uses the returned tensor or its own."""
+    rotation (cos, -sin)."""
 
     @staticmethod
     def forward(ctx, x, parts, interleaved):
@@ -143,12 +142,16 @@ class _RotateLeafInPlace(torch.autograd.Function):
 
 
 def _leaf_in_place(x: torch.Tensor) -> bool:
-    """Whether an in-place write into x is one autograd refuses: x is, or views, a leaf that requires grad."""
+    """Whether an in-place write into x is one autograd refuses: x is, or views, a leaf that requires grad (a view
+    made a leaf itself, base[0:1].requires_grad_(), counts too)."""
     root = x if x._base is None else x._base
-    return torch.is_grad_enabled() and root.requires_grad and root.is_leaf
+    return torch.is_grad_enabled() and ((x.is_leaf and x.requires_grad) or (root.is_leaf and root.requires_grad))
 
 
 def _rotate_in_place(x: torch.Tensor, parts: _Parts, interleaved: bool) -> torch.Tensor:
+    """Rotates parts of x in place and returns x: through _RotateLeafInPlace where x is or views a leaf that
+    requires grad (a view of x comes back), else with autograd recording the writes, so that gradients flow
+    whether the caller uses the returned tensor or its own."""
     if _leaf_in_place(x):
         return _RotateLeafInPlace.apply(x, parts, interleaved)
     _write_rotations(x, parts, interleaved)
@@ -164,7 +167,8 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
     """x (batch, seqlen, nheads, headdim), or (total_seqlen, nheads, headdim) with cu_seqlens (batch + 1,);
     cos/sin (seqlen_ro, rotary_dim / 2); seqlen_offsets an int or a (batch,) tensor (the position of each
     sequence's first token, e.g. a KV cache's length). Returns x rotated in its first rotary_dim dims (written
-    into x with inplace=True)."""
+    into x with inplace=True; for x a leaf that requires grad, or a view of one, a view of x that carries the
+    rotation's gradient, as flash-attn's autograd Function returns)."""
     c, s = _token_tables(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, "apply_rotary_emb")
     if inplace:
         return _rotate_in_place(x, [(_ALL, c, s)], interleaved)
