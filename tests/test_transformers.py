@@ -17,6 +17,7 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import (AttentionInterface, AttentionMaskInterface, AutoModelForCausalLM,
                           DataCollatorWithFlattening, Gemma2Config, GptOssConfig, LlamaConfig, MistralConfig)
 
@@ -380,18 +381,20 @@ def test_cache_chunks(kind, padded):
     assert_logits_close(logits["fcore"], logits["ref"], where=mask.bool())
 
 
-def test_right_padding_with_cached_keys():
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_right_padding_with_cached_keys(kind):
     """Right-padded rows whose padding falls among a later call's queries (a chunk after cached keys, a static
-    cache's prefill): every row's keys are made to end at the queries (padding_mask marks a row's trailing padding
-    among them), so the valid tokens get eager's logits, eagerly and, for the second chunk, compiled with
-    fullgraph=True (no host reads)."""
+    cache's prefill; a last chunk of padding in every row; Mistral's sliding layers too): every row's keys are made
+    to end at the queries (padding_mask marks a row's trailing padding among them), so the valid tokens get
+    eager's logits, eagerly and, for the second chunk, compiled with fullgraph=True (no host reads)."""
     import torch._dynamo
     from transformers import StaticCache
 
-    ref, model = pair("llama")
+    ref, model = pair(kind)
     ids, mask = prompts([18, 11, 14], side="right")
+    ids, mask = F.pad(ids, (0, 1)), F.pad(mask, (0, 1))  # a 19th column of padding in every row
     cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
-    for chunks, compiled in ((((0, 10), (10, 17), (17, 18)), False), (((0, 10), (10, 18)), True)):
+    for chunks, compiled in ((((0, 10), (10, 17), (17, 19)), False), (((0, 10), (10, 19)), True)):
         torch._dynamo.reset()
         logits = {}
         for name, m in (("ref", ref), ("fcore", model)):

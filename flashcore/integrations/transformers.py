@@ -270,8 +270,8 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
             return packed
     written = q_offset + q_length
     # Causal masks only (create_bidirectional_mask, also used for cross-attention, passes allow_is_bidirectional_skip)
-    from_start = kv_offset == 0 and "allow_is_bidirectional_skip" not in kwargs and not isinstance(kv_length,
-                                                                                                  torch.Tensor)
+    causal = "allow_is_bidirectional_skip" not in kwargs and not isinstance(kv_length, torch.Tensor)
+    from_start = kv_offset == 0 and causal
     if from_start and (isinstance(written, torch.Tensor) or written < kv_length):
         # A static cache (a tensor offset; kv_length its capacity): a mask of all kv_length slots, False past the
         # keys written so far, built on the device. Its shape is the same at every step, so a compiled decoding
@@ -293,7 +293,7 @@ def padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_
             attention_mask = attention_mask[:, :written]  # slots past the written keys: never attended to
         # Slice from the right for sliding-window caches (a no-op for full attention).
         attention_mask = attention_mask[:, -kv_length:].bool()
-        if from_start and written > q_length:  # queries after cached keys: the last q_length columns
+        if causal and q_length < attention_mask.shape[1]:  # queries after cached keys: the last q_length columns
             attention_mask = _keys_end_at_the_last_query(attention_mask, attention_mask.shape[1], q_length)
         if (not torch.compiler.is_compiling() and attention_mask.shape[1] == kv_length
                 and bool(attention_mask.all())):
