@@ -324,6 +324,11 @@ def _cu_seqlens(lengths: torch.Tensor) -> torch.Tensor:
     return F.pad(torch.cumsum(lengths, dim=0, dtype=torch.int32), (1, 0))
 
 
+def _equal_lengths(batch: int, length: int, device) -> torch.Tensor:
+    """cu_seqlens of `batch` sequences of `length` rows each (int32)."""
+    return torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=device)
+
+
 def _target_dtype(query: torch.Tensor, module) -> torch.dtype:
     """The half dtype a float32/float64 CUDA query runs in, as transformers' flash-attn backend picks it."""
     device_type = query.device.type
@@ -464,7 +469,7 @@ def _padded_attention(q, k, v, attention_mask, aligned, varlen):
         # Encoders and cross-attention: the mask is the keys'; every query attends to its row's keys (padded query
         # rows too, as under eager/sdpa), so the queries are not unpadded (a cross-attention's are not the keys').
         idx_q, max_q = None, Sq
-        cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=q.device)
+        cu_q = _equal_lengths(B, Sq, q.device)
     elif Sq == Sk:
         idx_q, cu_q, max_q = idx_k, cu_k, max_k
     elif Sq == 1:  # decoding: one query per sequence, its last position
@@ -519,7 +524,7 @@ def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen):
     torch._assert_async(ok, _MASK_NOT_ONE_RUN)
     rows = torch.arange(B, device=q.device, dtype=torch.int32)
     cu_k = torch.cat([rows * Sk + first, rows.new_full((1,), B * Sk)])
-    cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=q.device)
+    cu_q = _equal_lengths(B, Sq, q.device)
     out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D), cu_q,
                             cu_k, Sq, Sk, seqused_k=count, **varlen)
     return out.view(B, Sq, Hq, D)
@@ -619,8 +624,7 @@ def attention_forward(
         out = _attention(query, key, value, enable_gqa=Hq != Hkv, **options).transpose(1, 2)
     else:
         # Dense against a cache (Sq != Sk): every sequence has Sq queries and Sk keys, bottom-right aligned.
-        cu_q = torch.arange(0, (B + 1) * Sq, Sq, dtype=torch.int32, device=query.device)
-        cu_k = torch.arange(0, (B + 1) * Sk, Sk, dtype=torch.int32, device=query.device)
+        cu_q, cu_k = _equal_lengths(B, Sq, query.device), _equal_lengths(B, Sk, query.device)
         out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
                                 cu_q, cu_k, Sq, Sk, **varlen).view(B, Sq, Hq, D)
 

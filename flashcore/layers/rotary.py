@@ -48,8 +48,8 @@ def apply_rotary_emb_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     return torch.cat((rotated, x[..., ro_dim:]), dim=-1)
 
 
-def _rotated(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, interleaved: bool) -> torch.Tensor:
-    """x with its first 2 * c.size(-1) dims rotated by the angles' cos/sin c, s (broadcastable to x[..., :half]):
+def _rotated_dims(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x's first 2 * c.size(-1) dims rotated by the angles' cos/sin c, s (broadcastable to x[..., :half]):
     computed in float32 (float64 for float64 x) and rounded to x's dtype once."""
     half = c.size(-1)
     cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
@@ -61,7 +61,12 @@ def _rotated(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, interleaved: boo
     else:
         x0, x1 = xr[..., :half], xr[..., half:]
         rot = torch.cat((x0 * c - x1 * s, x0 * s + x1 * c), dim=-1)
-    return torch.cat((rot.to(x.dtype), x[..., 2 * half:]), dim=-1)
+    return rot.to(x.dtype)
+
+
+def _rotated(x: torch.Tensor, c: torch.Tensor, s: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """x with its first 2 * c.size(-1) dims rotated (_rotated_dims), the rest as they are."""
+    return torch.cat((_rotated_dims(x, c, s, interleaved), x[..., 2 * c.size(-1):]), dim=-1)
 
 
 def rotate_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
@@ -119,7 +124,7 @@ def _write_rotations(x: torch.Tensor, parts: _Parts, interleaved: bool, transpos
     for index, c, s in parts:
         view = x[index]
         if c.size(-1) and view.numel():
-            view[..., : 2 * c.size(-1)] = _rotated(view, c, -s if transposed else s, interleaved)[..., : 2 * c.size(-1)]
+            view[..., : 2 * c.size(-1)] = _rotated_dims(view, c, -s if transposed else s, interleaved)
 
 
 class _RotateLeafInPlace(torch.autograd.Function):
