@@ -453,13 +453,6 @@ def _padded_attention(q, k, v, attention_mask, aligned, varlen):
         k, v, Sk = k[:, : mask.shape[1]], v[:, : mask.shape[1]], mask.shape[1]
     elif mask.shape[1] > Sk:
         mask = mask[:, -Sk:]
-    if aligned and Sq < Sk:
-        # A static cache's mask covers its capacity, False past the keys written so far: the queries are the last
-        # Sq of those, so the keys end at the last written column (every row's: padding_mask marks a row's
-        # trailing padding among the queries valid).
-        written = mask.any(dim=0).nonzero()
-        end = int(written[-1]) + 1 if written.numel() else Sk
-        mask, k, v, Sk = mask[:, :end], k[:, :end], v[:, :end], end
     lengths_k = mask.sum(dim=-1, dtype=torch.int32)
     idx_k = mask.flatten().nonzero().flatten()
     k_rows = k.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
@@ -475,8 +468,14 @@ def _padded_attention(q, k, v, attention_mask, aligned, varlen):
     elif Sq == 1:  # decoding: one query per sequence, its last position
         idx_q = torch.arange(B, device=q.device)
         cu_q, max_q = torch.arange(B + 1, dtype=torch.int32, device=q.device), 1
-    else:  # several new queries against a cache: they are the last Sq positions of the mask
-        mask_q = mask[:, -Sq:]
+    else:
+        # Several new queries against a cache: the last Sq of the written keys, which end at the last column any
+        # row holds (a static cache's mask covers its capacity, False past them; padding_mask marks a row's
+        # trailing padding among the queries, so every row's keys end there). Found on the device: the unpadding's
+        # own host reads below are the only ones.
+        cols = torch.arange(Sk, device=q.device)
+        end = torch.where(mask.any(dim=0), cols, -1).max() + 1
+        mask_q = mask.gather(1, (end - Sq + torch.arange(Sq, device=q.device)).clamp(0, Sk - 1).expand(B, Sq))
         lengths_q = mask_q.sum(dim=-1, dtype=torch.int32)
         idx_q = mask_q.flatten().nonzero().flatten()
         cu_q, max_q = _cu_seqlens(lengths_q), int(lengths_q.max())
