@@ -33,6 +33,8 @@ from bench import environment, switch_settings  # noqa: E402 (benchmarks/bench.p
 
 # What flash_attn_with_kvcache calls once any new k/v are in the cache: the decode op itself.
 kvcache_fwd = torch.ops.flashcore.kvcache_fwd.default
+# flash_attn_varlen_func's op: a decode step as serving engines write it (one query a sequence, seqused_k).
+varlen_fwd = torch.ops.flashcore.varlen_fwd.default
 
 DEFAULT_ROWS = ["8x8192", "1x131072", "64x2048", "64x2048-mixed", "8x8192p16", "8x8192p256", "64x2048-mixedp16",
                 "1x131072p256"]
@@ -106,7 +108,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--backends", default="flashcore,sdpa,fa4",
                     help="flashcore, flashcore@NAME=VALUE[+NAME=VALUE] (flashcore with switches set while its graph "
-                         "is captured, e.g. flashcore@FLASHCORE_DECODE_TMA=0 for the cp.async loader), sdpa, fa4")
+                         "is captured, e.g. flashcore@FLASHCORE_DECODE_TMA=0 for the cp.async loader), sdpa, fa4, "
+                         "varlen[@NAME=VALUE] (the varlen op, one query a sequence, on the dense cache; "
+                         "varlen@FLASHCORE_FORCE_KERNEL=sm80 for its mma.sync kernel)")
     ap.add_argument("--num-splits", default="0",
                     help="flashcore's num_splits (0: its heuristic); a comma list times each flashcore backend at "
                          "every count, labelled /sN")
@@ -143,6 +147,19 @@ def main():
                         return kvcache_fwd(q, kc, vc, lens, table, None, None, scale, True, -1, -1, 0.0, None, None,
                                            splits)
                 runs[label] = call
+        for name in backends:  # varlen[@NAME=VALUE...]: the varlen op on the same cache (flash_attn_varlen_func)
+            if (name != "varlen" and not name.startswith("varlen@")) or page or Sq != 1:
+                continue
+            env = switch_settings(name) if name != "varlen" else {}
+            q_rows, k_rows, v_rows = q.view(B, Hq, D), k.view(B * L, Hkv, D), v.view(B * L, Hkv, D)
+            cu_q = torch.arange(B + 1, dtype=torch.int32, device="cuda")
+            cu_k = cu_q * L
+
+            def varlen_call(env=env, q_rows=q_rows, k_rows=k_rows, v_rows=v_rows, cu_q=cu_q, cu_k=cu_k):
+                with environment(env):
+                    return varlen_fwd(q_rows, k_rows, v_rows, cu_q, cu_k, 1, L, scale, True, -1, -1, 0.0, False,
+                                      None, None, lens)
+            runs[name] = varlen_call
         if "sdpa" in backends and not page:
             qs = q.transpose(1, 2)
             ks, vs = k.transpose(1, 2), v.transpose(1, 2)
@@ -164,7 +181,7 @@ def main():
             for name, fn in list(runs.items()):
                 try:
                     times[name].append(graph_time(fn, args.iters, 1))
-                    if name.startswith("flashcore"):
+                    if name.startswith(("flashcore", "varlen")):
                         labels[name] = flashcore.last_kernel("fwd")
                 except Exception as e:  # noqa: BLE001 - report, keep going
                     notes[name] = f"{type(e).__name__}: {str(e)[:80]}"

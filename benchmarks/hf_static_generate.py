@@ -2,7 +2,8 @@
 model with random weights (no download), left-padded prompts, greedy decoding with
 `cache_implementation="static"`, which transformers compiles (its default CompileConfig: inductor,
 reduce-overhead, i.e. CUDA graphs) on a GPU. Prints per backend the first call's time (compilation included), the
-best of three further calls, graph breaks and compiled graphs, then how many new tokens agree (bf16 greedy
+best of three further calls, the GPU's busy time in one more (kernel time, which a small model's host-bound wall
+time hides), graph breaks and compiled graphs, then how many new tokens agree (bf16 greedy
 decoding of random weights drifts on near-ties; tests/test_transformers.py checks equality in float32).
 
     python benchmarks/hf_static_generate.py [--batch 4 --prompt 512 --new 64 --layers 8 --hidden 1024]
@@ -17,6 +18,19 @@ import warnings
 
 import torch
 import torch._dynamo
+
+
+def gpu_busy(fn) -> tuple[float, int]:
+    """Seconds the GPU spends in kernels during fn (torch.profiler's CUDA activity: the sum of kernel times, CUDA
+    graphs' kernels included) and their count. A small model's generation is bound by the host's per-step work, so
+    its wall time hides the attention's cost; this is the part the attention backend changes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.device_time for e in events) * 1e-6, len(events)
 
 
 def main() -> None:
@@ -71,10 +85,11 @@ def main() -> None:
                 tokens[impl] = model.generate(ids, **kw)
                 torch.cuda.synchronize()
                 best = min(best, time.perf_counter() - t)
+            busy, kernels = gpu_busy(lambda: model.generate(ids, **kw))
         counters = torch._dynamo.utils.counters
         print(f"{impl:6s} first call {first:6.1f} s, then {best * 1e3:7.1f} ms ({args.batch * args.new / best:6.0f} "
-              f"tokens/s); graph breaks {sum(counters['graph_break'].values())}, graphs "
-              f"{counters['stats']['unique_graphs']}")
+              f"tokens/s), GPU busy {busy * 1e3:6.1f} ms in {kernels} kernels; graph breaks "
+              f"{sum(counters['graph_break'].values())}, graphs {counters['stats']['unique_graphs']}")
     new_a, new_b = tokens["sdpa"][:, args.prompt:], tokens[fct.NAME][:, args.prompt:]
     print(f"new tokens equal to SDPA's: {(new_a == new_b).float().mean().item():.3f}")
 

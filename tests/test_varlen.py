@@ -687,3 +687,91 @@ def test_flash_attn_varlen_func_any_head_dim_cuda(request):
     low, _ = per_sequence(lowp_attention, q, k, v, cu_q, cu_k, kw)
     check_close("out", out, ref, low)
     run_backward(q, k, v, cu_q, cu_k, kw)
+
+
+# One query a sequence (a decode step through flash_attn_varlen_func): the KV-cache kernel's route
+# (cuda/attention_cuda.cpp: varlen_decode_step), whose entries read the packed keys as the varlen kernels do.
+DECODE_LENS_K = [0, 1, 63, 64, 65, 700, 3000, 129]
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (32, 1), (6, 3)], ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 96])
+def test_varlen_decode_step_cuda(request, variant, heads, head_dim):
+    """Empty, one-key, tile-edge and long sequences; MHA, GQA and a 32-head group (the kernel's rows mode); every
+    variant (the causal diagonal, window and ALiBi distance aligned to each sequence's last key); the LSE in the
+    varlen layout (the backward reads it: run_backward goes through the same forward)."""
+    Hq, Hkv = heads
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, [1] * len(DECODE_LENS_K), DECODE_LENS_K,
+                                        Hq, Hkv, head_dim, VARIANTS[variant], strided=head_dim == 64)
+    out, lse = run_forward(q, k, v, cu_q, cu_k, kw)
+    assert flashcore.last_kernel("fwd").startswith("decode"), flashcore.last_kernel("fwd")
+    assert (out[0] == 0).all()  # no key (its LSE, -inf or the sink, checked by run_forward)
+    if head_dim == 128 and Hq == 8:
+        run_backward(q, k, v, cu_q, cu_k, kw)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_varlen_decode_step_seqused_and_gaps_cuda(request, dtype):
+    """seqused_k (keys past it hold NaN), key rows between and around the sequences, and the kernel family forced:
+    the varlen kernels then run the same call."""
+    lens_k, used = [300, 40, 2000, 5, 900], [300, 0, 1234, 5, 17]
+    q, k, v, _, cu_k, kw = make_case(request, "cuda", dtype, [1] * 5, [sum(lens_k) + 50], 16, 4, 128,
+                                     {"causal": True}, used_k=used)
+    cu_q = offsets([1] * 5, "cuda")
+    cu_k = offsets(lens_k, "cuda") + 50
+    for b, n in enumerate(used):
+        k[int(cu_k[b]) + n:int(cu_k[b + 1])] = float("nan")
+        v[int(cu_k[b]) + n:int(cu_k[b + 1])] = float("nan")
+    out, lse = run_forward(q, k, v, cu_q, cu_k, kw)
+    assert flashcore.last_kernel("fwd").startswith("decode")
+    for fam in gpu_families():
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setenv("FLASHCORE_FORCE_KERNEL", fam)
+            out_f, lse_f = flashcore.varlen_attention(q, k, v, cu_q, cu_k, 1, 2000, return_lse=True, **kw)
+            assert_ran("fwd", fam)
+        torch.testing.assert_close(out_f, out, atol=2e-2, rtol=0)
+        torch.testing.assert_close(lse_f, lse, atol=1e-3, rtol=0)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_varlen_decode_step_bad_offsets_stay_in_bounds_cuda(request):
+    """Offsets and seqused_k that lie (past the keys, decreasing, negative, longer than max_seqlen_k) on the
+    KV-cache kernel's route: no access outside the tensors (compute-sanitizer runs this test too)."""
+    g = make_generator(request, "cuda")
+    q = torch.randn(3, 8, 128, generator=g, device="cuda").bfloat16()
+    k, v = (torch.randn(200, 2, 128, generator=g, device="cuda").bfloat16() for _ in range(2))
+    cases = ([0, 150, 90, 400], [50, 40, 100000, -3], [-5, 100, 100, 2**31 - 1], [0, 2**31 - 1, 7, 8])
+    for cu in cases:
+        cu_k = torch.tensor(cu, dtype=torch.int32, device="cuda")
+        for used in (None, torch.tensor([500, -1, 2**31 - 1], dtype=torch.int32, device="cuda")):
+            out = flashcore.varlen_attention(q, k, v, offsets([1, 1, 1], "cuda"), cu_k, 1, 64, is_causal=True,
+                                             seqused_k=used)
+            assert flashcore.last_kernel("fwd").startswith("decode")
+            assert torch.isfinite(out).all()
+    torch.cuda.synchronize()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_varlen_decode_step_in_a_graph_cuda(request):
+    """Captured with seqused_k changing between replays (a serving engine's decode step): the split plan depends
+    on the shapes only."""
+    from conftest import capture_graph
+
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, [1] * 4, [4096] * 4, 32, 8, 128)
+    used = torch.tensor([4096, 1, 2000, 0], dtype=torch.int32, device="cuda")
+    f = lambda: flashcore.varlen_attention(q, k, v, cu_q, cu_k, 1, 4096, is_causal=True, seqused_k=used)
+    graph, static = capture_graph(f)
+    for lengths in ([7, 4096, 300, 1], [0, 0, 4095, 64]):
+        used.copy_(torch.tensor(lengths))
+        static.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(static, f())
+        run_forward(q, k, v, cu_q, cu_k, dict(kw, is_causal=True, seqused_k=used))

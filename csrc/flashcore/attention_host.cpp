@@ -592,6 +592,29 @@ DecodeParams make_decode_params(const at::Tensor& query, const at::Tensor& key_c
   p.f.band = p.f.mask.band(p.f.seqlen_q, p.f.seqlen_k);  // per entry: mask.band(seqlen_q, kv_seq(b).seqlen_k)
   p.f.score.alibi_offset = 0;                            // per entry as well
   p.num_splits = 1;
+  p.lse_batch_stride = p.f.heads_q * p.f.seqlen_q;
+  p.lse_head_stride = p.f.seqlen_q;
+  return p;
+}
+
+DecodeParams make_varlen_decode_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                       const at::Tensor& out, const at::Tensor& lse, const VarlenArgs& args,
+                                       const AttentionOptions& opts) {
+  auto one_query = [](const at::Tensor& t) { return t.unsqueeze(2); };                 // (batch, heads, 1, dim)
+  auto one_row = [](const at::Tensor& t) { return t.unsqueeze(0).transpose(1, 2); };  // (1, heads, total_k, dim)
+  DecodeParams p;
+  p.f = make_fwd_params(one_query(query), one_row(key), one_row(value), one_query(out), lse, opts);
+  KvCacheParams& kv = p.kv;
+  kv.cu_seqlens_k = args.cu_seqlens_k.data_ptr<int32_t>();
+  kv.seqused_k = args.seqused_k.defined() ? args.seqused_k.data_ptr<int32_t>() : nullptr;
+  kv.max_seqlen_k = args.max_seqlen_k;
+  kv.cache_rows = 1;
+  kv.capacity = key.size(0);
+  p.f.seqlen_k = args.max_seqlen_k;
+  p.f.band = p.f.mask.band(p.f.seqlen_q, p.f.seqlen_k);  // per entry: mask.band(1, kv_seq(b).seqlen_k)
+  p.f.score.alibi_offset = 0;
+  p.lse_batch_stride = p.f.seqlen_q;  // the varlen layout (heads_q, total_q); seqlen_q 1, total_q = batch
+  p.lse_head_stride = p.f.batch * p.f.seqlen_q;
   return p;
 }
 

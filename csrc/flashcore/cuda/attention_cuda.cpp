@@ -434,6 +434,55 @@ struct PagedKeys {
   int64_t page_size;
 };
 
+// The KV-cache kernel for prepared params (decode/): plans stages and splits (num_splits > 0: forced), allocates the
+// split workspace and launches, plus the combine kernel when split. query: the call's, for the workspace's device.
+void run_decode_kernel(DecodeParams& p, int64_t num_splits, const at::Tensor& query, const cudaDeviceProp& prop) {
+  const bool bf16 = query.scalar_type() == at::kBFloat16;
+  const decode::DecodePlan plan = decode::plan_decode(p, (int)num_splits, bf16, prop);
+  p.num_splits = plan.splits;
+  p.longest_first = plan.longest_first;
+  at::Tensor o_partial, lse_partial;
+  if (plan.splits > 1) {
+    const int64_t rows = p.f.batch * p.f.heads_q * p.f.seqlen_q;
+    o_partial = at::empty({plan.splits * rows * p.f.head_dim}, query.options().dtype(at::kFloat));
+    lse_partial = at::empty({plan.splits * rows}, query.options().dtype(at::kFloat));
+    p.o_partial = o_partial.data_ptr<float>();
+    p.lse_partial = lse_partial.data_ptr<float>();
+  }
+  KernelTrace trace{plan.tma ? "decode tma" : plan.stages == 3 ? "decode stages3" : "decode", plan.head_dim_tile, 0,
+                    plan.splits};
+  trace.longest_first = plan.longest_first;
+  record_kernel(Pass::kFwd, trace);
+  decode::launch_decode(p, plan, bf16, at::cuda::getCurrentCUDAStream());
+}
+
+// A decode step through the varlen op: one query a sequence (max_seqlen_q 1 and total_q = batch, so sequence b owns
+// query row b), as serving engines and transformers' padded decoding call flash_attn_varlen_func. It runs on the
+// KV-cache kernel, which packs a KV head's query heads into one block's rows, reads the head's keys once for all of
+// them and splits the keys over the GPU, where the varlen kernels give every query head a block of 64 or more rows
+// holding one query (docs/PERFORMANCE.md). Its entries read the packed keys as seqlen.h's sequences (paged_kv.h:
+// KvCacheParams::cu_seqlens_k), with the same clamps, alignment and outputs. Not where a kernel family is forced
+// (FLASHCORE_FORCE_KERNEL) or for empty tensors (the varlen path's trivial cases).
+bool varlen_decode_step(const VarlenArgs& args, const at::Tensor& query, const at::Tensor& key) {
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  return args.max_seqlen_q == 1 && query.size(0) == args.batch() && query.numel() > 0 && key.numel() > 0 &&
+         key.size(0) <= kIntMax && query.size(0) * key.size(1) <= kIntMax && forced_fwd_family().empty();
+}
+
+std::tuple<at::Tensor, at::Tensor> run_varlen_decode_step(const at::Tensor& query_in, const at::Tensor& key_in,
+                                                          const at::Tensor& value_in, const VarlenArgs& args,
+                                                          const AttentionOptions& opts, const cudaDeviceProp& prop) {
+  at::Tensor out = at::empty_like(query_in);  // every row written: row b by entry b
+  at::Tensor lse = at::empty({query_in.size(1), query_in.size(0)}, query_in.options().dtype(at::kFloat));
+  poison_if_enabled({out, lse});
+  const at::Tensor query = packed_aligned_for_16b_loads(query_in);
+  const at::Tensor key = packed_aligned_for_16b_loads(key_in);
+  const at::Tensor value = packed_aligned_for_16b_loads(value_in);
+  DecodeParams p = make_varlen_decode_params(query, key, value, out, lse, args, opts);
+  run_decode_kernel(p, /*num_splits=*/0, query, prop);
+  return {out, lse};
+}
+
 // short_rows_on_sm90: the Hopper kernel even for max_seqlen_q <= kVarlenSm90MinRows (a KV cache's chunked prefill,
 // whose few sequences each walk a long cache). paged: keys through a block table, on the Hopper kernel only (the
 // caller has checked that select_varlen_fwd_kernel picks it) and with the KV-cache op's input checks, not these
@@ -454,6 +503,8 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_fwd(const at::Tensor& query_in, co
   const c10::cuda::CUDAGuard guard(query_in.device());
   const cudaDeviceProp& prop = device_properties(query_in);
   check_varlen_grid(args, query_in.size(1), max_seqlen_q, "query");
+  if (paged == nullptr && varlen_decode_step(args, query_in, key_in))
+    return run_varlen_decode_step(query_in, key_in, value_in, args, opts, prop);
 
   auto [out, lse] = alloc_varlen_fwd_outputs(query_in);
   const at::Tensor query = packed_aligned_for_16b_loads(query_in);
@@ -783,23 +834,7 @@ std::tuple<at::Tensor, at::Tensor> kvcache_fwd_cuda(
     fill_no_key_outputs(out, lse, opts);
     return {out, lse};
   }
-  const bool bf16 = query.scalar_type() == at::kBFloat16;
-  const decode::DecodePlan plan = decode::plan_decode(p, (int)args.num_splits, bf16, prop);
-  p.num_splits = plan.splits;
-  p.longest_first = plan.longest_first;
-  at::Tensor o_partial, lse_partial;
-  if (plan.splits > 1) {
-    const int64_t rows = p.f.batch * p.f.heads_q * p.f.seqlen_q;
-    o_partial = at::empty({plan.splits * rows * p.f.head_dim}, query.options().dtype(at::kFloat));
-    lse_partial = at::empty({plan.splits * rows}, query.options().dtype(at::kFloat));
-    p.o_partial = o_partial.data_ptr<float>();
-    p.lse_partial = lse_partial.data_ptr<float>();
-  }
-  KernelTrace trace{plan.tma ? "decode tma" : plan.stages == 3 ? "decode stages3" : "decode", plan.head_dim_tile, 0,
-                    plan.splits};
-  trace.longest_first = plan.longest_first;
-  record_kernel(Pass::kFwd, trace);
-  decode::launch_decode(p, plan, bf16, at::cuda::getCurrentCUDAStream());
+  run_decode_kernel(p, args.num_splits, query, prop);
   return {out, lse};
 }
 

@@ -157,7 +157,7 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, int64_t row, 
     dst[d + 2] = static_cast<Element>(acc.z * inv);
     dst[d + 3] = static_cast<Element>(acc.w * inv);
   }
-  if (lane == 0) f.lse[row] = empty ? -INFINITY : m + __logf(l);
+  if (lane == 0) f.lse[p.lse_index(b, hq, pos)] = empty ? -INFINITY : m + __logf(l);
 }
 
 // The end of a block: the warps that share rows (kWarpsN of them) merge their softmax states and outputs through
@@ -219,7 +219,7 @@ __device__ __forceinline__ void store_block_result(const DecodeParams& p, float*
       Element* dst = static_cast<Element*>(f.out) + b * f.out_stride.batch + hq * f.out_stride.head +
                      pos * f.out_stride.seq + col;
       *dst = static_cast<Element>(out);
-      if (col == 0) f.lse[lse_row] = lse;
+      if (col == 0) f.lse[p.lse_index(b, hq, pos)] = lse;
     } else {
       const int64_t prow = split * rows_total + lse_row;
       p.o_partial[prow * head_dim + col] = out;

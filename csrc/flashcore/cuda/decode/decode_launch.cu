@@ -243,7 +243,7 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
     return plan;
   }
   const double slots = (double)slots_per_sm * prop.multiProcessorCount;
-  const int64_t tiles = (p.kv.capacity + 63) / 64;  // of the longest possible entry
+  const int64_t tiles = (p.kv.longest_entry() + 63) / 64;  // of the longest possible entry
   // Splits of at least 4 tiles, a bounded workspace (num_splits x rows x head_dim floats), at most 128.
   const double rows_total = (double)p.f.batch * p.f.heads_q * p.f.seqlen_q;
   const int64_t by_workspace = (int64_t)std::max(1.0, (1 << 26) / std::max(1.0, rows_total * D));
