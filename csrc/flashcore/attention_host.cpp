@@ -605,8 +605,10 @@ DecodeParams make_varlen_decode_params(const at::Tensor& query, const at::Tensor
   DecodeParams p;
   p.f = make_fwd_params(one_query(query), one_row(key), one_row(value), one_query(out), lse, opts);
   KvCacheParams& kv = p.kv;
-  kv.cu_seqlens_k = args.cu_seqlens_k.data_ptr<int32_t>();
-  kv.seqused_k = args.seqused_k.defined() ? args.seqused_k.data_ptr<int32_t>() : nullptr;
+  const int32_t* starts = args.cu_seqlens_k.data_ptr<int32_t>();
+  kv.cache_leftpad = starts;
+  kv.seqlens_from_leftpad = args.seqused_k.defined();
+  kv.cache_seqlens = kv.seqlens_from_leftpad ? args.seqused_k.data_ptr<int32_t>() : starts + 1;
   kv.max_seqlen_k = args.max_seqlen_k;
   kv.cache_rows = 1;
   kv.capacity = key.size(0);

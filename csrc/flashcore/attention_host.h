@@ -158,8 +158,8 @@ DecodeParams make_decode_params(const at::Tensor& query, const at::Tensor& key_c
                                 const at::Tensor& out, const at::Tensor& lse, const KvCacheArgs& args,
                                 const AttentionOptions& opts);
 
-// The params of a varlen forward run by the KV-cache kernel (paged_kv.h: KvCacheParams::cu_seqlens_k): one query
-// per sequence (query/out (batch, heads_q, dim)), the packed keys one cache row, lse (heads_q, batch).
+// The params of a varlen forward run by the KV-cache kernel: one query per sequence (query/out (batch, heads_q,
+// dim)), the packed keys one cache row whose entries start at cu_seqlens_k (paged_kv.h), lse (heads_q, batch).
 DecodeParams make_varlen_decode_params(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                                        const at::Tensor& out, const at::Tensor& lse, const VarlenArgs& args,
                                        const AttentionOptions& opts);

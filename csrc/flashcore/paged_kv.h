@@ -14,7 +14,9 @@
 //
 // The decode kernel also serves a varlen forward whose sequences have one query each (flash_attn_varlen_func at a
 // decode step): the packed keys (total_k, heads_kv, head_dim) are one cache row of total_k keys, and entry b's keys
-// are sequence b's rows as seqlen.h defines them (cu_seqlens_k, seqused_k, clamped the same way).
+// are sequence b's rows as seqlen.h defines them (cu_seqlens_k, seqused_k), clamped into the keys. (seqlen.h also
+// clamps a length to the next sequence's start and to max_seqlen_k; offsets that break those promises are the
+// caller's error, read here inside the tensor all the same.)
 #pragma once
 
 #include <cstdint>
@@ -36,16 +38,16 @@ struct KvCacheParams {
   int64_t cache_rows = 0;   // dense: cache_batch; paged: num_pages (the first dim of the cache)
   int64_t capacity = 0;     // keys one batch entry can hold: dense seq len, or max_pages * page_size
   FastDiv page_div;         // paged: by page_size (the kernels split a key into page slot and row without a divide)
-  // A varlen batch's packed keys (the decode route of the varlen forward), or null: entry b's keys are rows
-  // [cu_seqlens_k[b], cu_seqlens_k[b] + len) of the one cache row (capacity = total_k), len = cu_seqlens_k[b+1] -
-  // cu_seqlens_k[b] or seqused_k[b], at most max_seqlen_k (seqlen.h's varlen_seq_info). cache_seqlens is not read.
-  const int32_t* cu_seqlens_k = nullptr;  // (batch + 1,)
-  const int32_t* seqused_k = nullptr;     // (batch,) or null
+  // A varlen batch's packed keys (the decode route of the varlen forward): one cache row of total_k keys
+  // (capacity), cache_leftpad = cu_seqlens_k (entry b's keys start at cu_seqlens_k[b]) and cache_seqlens =
+  // cu_seqlens_k + 1 (they end at the next sequence's start) or seqused_k with seqlens_from_leftpad (they end
+  // seqused_k[b] keys after the start). max_seqlen_k > 0: the longest entry the caller promises, which sizes the
+  // split-KV grid (kv_seq does not clamp to it: an entry that runs longer is read whole, inside the tensor).
+  bool seqlens_from_leftpad = false;
   int64_t max_seqlen_k = 0;
 
-  FLASHCORE_HOST_DEVICE bool varlen() const { return cu_seqlens_k != nullptr; }
   // The most keys an entry can have: what sizes the split-KV grid.
-  FLASHCORE_HOST_DEVICE int64_t longest_entry() const { return varlen() ? max_seqlen_k : capacity; }
+  FLASHCORE_HOST_DEVICE int64_t longest_entry() const { return max_seqlen_k > 0 ? max_seqlen_k : capacity; }
 
   FLASHCORE_HOST_DEVICE bool paged() const { return block_table != nullptr; }
   // Rows of the cache's second dimension: a page's keys, or a dense cache row's.
@@ -68,18 +70,11 @@ struct KvSeq {
 
 FLASHCORE_HOST_DEVICE KvSeq kv_seq(const KvCacheParams& kv, int64_t b) {
   KvSeq s;
-  int64_t end, longest = kv.capacity;
-  if (kv.varlen()) {  // cache row 0; seqlen.h's clamps with total_k = capacity
-    s.first_key = clamp64(kv.cu_seqlens_k[b], 0, kv.capacity);
-    end = clamp64(kv.cu_seqlens_k[b + 1], s.first_key, kv.capacity);
-    if (kv.seqused_k != nullptr) end = s.first_key + clamp64(kv.seqused_k[b], 0, end - s.first_key);
-    longest = kv.max_seqlen_k;
-  } else {
-    end = clamp64(kv.cache_seqlens[b], 0, kv.capacity);
-    s.first_key = kv.cache_leftpad ? clamp64(kv.cache_leftpad[b], 0, end) : 0;
-    s.cache_row = kv.paged() ? 0 : clamp64(kv.cache_batch_idx ? kv.cache_batch_idx[b] : b, 0, kv.cache_rows - 1);
-  }
-  s.seqlen_k = clamp64(end - s.first_key, 0, longest);
+  const int64_t start = kv.cache_leftpad ? kv.cache_leftpad[b] : 0;
+  const int64_t end = clamp64(kv.cache_seqlens[b] + (kv.seqlens_from_leftpad ? start : 0), 0, kv.capacity);
+  s.first_key = clamp64(start, 0, end);
+  s.seqlen_k = end - s.first_key;
+  s.cache_row = kv.paged() ? 0 : clamp64(kv.cache_batch_idx ? kv.cache_batch_idx[b] : b, 0, kv.cache_rows - 1);
   return s;
 }
 

@@ -460,9 +460,9 @@ void run_decode_kernel(DecodeParams& p, int64_t num_splits, const at::Tensor& qu
 // query row b), as serving engines and transformers' padded decoding call flash_attn_varlen_func. It runs on the
 // KV-cache kernel, which packs a KV head's query heads into one block's rows, reads the head's keys once for all of
 // them and splits the keys over the GPU, where the varlen kernels give every query head a block of 64 or more rows
-// holding one query (docs/PERFORMANCE.md). Its entries read the packed keys as seqlen.h's sequences (paged_kv.h:
-// KvCacheParams::cu_seqlens_k), with the same clamps, alignment and outputs. Not where a kernel family is forced
-// (FLASHCORE_FORCE_KERNEL) or for empty tensors (the varlen path's trivial cases).
+// holding one query (docs/PERFORMANCE.md). Its entries read the packed keys as seqlen.h's sequences (one cache row
+// whose entries start at cu_seqlens_k, make_varlen_decode_params), with the same alignment and outputs. Not where a
+// kernel family is forced (FLASHCORE_FORCE_KERNEL) or for empty tensors (the varlen path's trivial cases).
 bool varlen_decode_step(const VarlenArgs& args, const at::Tensor& query, const at::Tensor& key) {
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   return args.max_seqlen_q == 1 && query.size(0) == args.batch() && query.numel() > 0 && key.numel() > 0 &&
