@@ -35,6 +35,8 @@ from bench import environment, switch_settings  # noqa: E402 (benchmarks/bench.p
 kvcache_fwd = torch.ops.flashcore.kvcache_fwd.default
 # flash_attn_varlen_func's op: a decode step as serving engines write it (one query a sequence, seqused_k).
 varlen_fwd = torch.ops.flashcore.varlen_fwd.default
+# flash_attn_func's op (the dense forward, bottom-right causal), on a cache whose entries are all full.
+dense_fwd = torch.ops.flashcore.fwd.default
 
 DEFAULT_ROWS = ["8x8192", "1x131072", "64x2048", "64x2048-mixed", "8x8192p16", "8x8192p256", "64x2048-mixedp16",
                 "1x131072p256"]
@@ -110,7 +112,9 @@ def main():
                     help="flashcore, flashcore@NAME=VALUE[+NAME=VALUE] (flashcore with switches set while its graph "
                          "is captured, e.g. flashcore@FLASHCORE_DECODE_TMA=0 for the cp.async loader), sdpa, fa4, "
                          "varlen[@NAME=VALUE] (the varlen op, one query a sequence, on the dense cache; "
-                         "varlen@FLASHCORE_FORCE_KERNEL=sm80 for its mma.sync kernel)")
+                         "varlen@FLASHCORE_FORCE_KERNEL=sm80 for its mma.sync kernel), dense[@NAME=VALUE] (the dense op, "
+                         "flash_attn_func, on rows of equal lengths; dense@FLASHCORE_FORCE_KERNEL=sm90 for its own "
+                         "kernels)")
     ap.add_argument("--num-splits", default="0",
                     help="flashcore's num_splits (0: its heuristic); a comma list times each flashcore backend at "
                          "every count, labelled /sN")
@@ -147,6 +151,16 @@ def main():
                         return kvcache_fwd(q, kc, vc, lens, table, None, None, scale, True, -1, -1, 0.0, None, None,
                                            splits)
                 runs[label] = call
+        for name in backends:  # dense[@NAME=VALUE...]: flash_attn_func on the cache (equal lengths only)
+            if (name != "dense" and not name.startswith("dense@")) or page or mixed:
+                continue
+            env = switch_settings(name) if name != "dense" else {}
+            qd, kd, vd = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+            def dense_call(env=env, qd=qd, kd=kd, vd=vd):
+                with environment(env):
+                    return dense_fwd(qd, kd, vd, scale, True, True)
+            runs[name] = dense_call
         for name in backends:  # varlen[@NAME=VALUE...]: the varlen op on the same cache (flash_attn_varlen_func)
             if (name != "varlen" and not name.startswith("varlen@")) or page or Sq != 1:
                 continue
@@ -181,7 +195,7 @@ def main():
             for name, fn in list(runs.items()):
                 try:
                     times[name].append(graph_time(fn, args.iters, 1))
-                    if name.startswith(("flashcore", "varlen")):
+                    if name.startswith(("flashcore", "varlen", "dense")):
                         labels[name] = flashcore.last_kernel("fwd")
                 except Exception as e:  # noqa: BLE001 - report, keep going
                     notes[name] = f"{type(e).__name__}: {str(e)[:80]}"

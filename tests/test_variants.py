@@ -375,3 +375,45 @@ def test_variants_in_cuda_graph_and_compile(request):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(static, flashcore.attention(q, k, v, enable_gqa=True, **kw))
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("heads", [(8, 2), (4, 4), (32, 1)], ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_variant_decode_step_cuda(request, variant, heads, head_dim):
+    """One query a head against 2 100 keys through the dense op (a generation loop calling flash_attn_func or
+    attention() on a contiguous cache): the KV-cache kernel's route (cuda/attention_cuda.cpp: dense_decode_step), with
+    every variant in the dense op's own alignment (top-left here: the query sees key 0 under causal; the windows
+    leave it few keys or none), BSHD views, and the backward through its LSE."""
+    Hq, Hkv = heads
+    q, k, v, kw, ref = make_case(request, "cuda", torch.bfloat16, 3, Hq, Hkv, 1, 2100, head_dim, VARIANTS[variant],
+                                 layout="bshd")
+    run_forward(q, k, v, kw, ref)
+    assert flashcore.last_kernel("fwd").startswith("decode"), flashcore.last_kernel("fwd")
+    if head_dim == 128 and Hq == 8:
+        run_backward(q, k, v, kw, ref)
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_decode_step_bottom_right_and_graph_cuda(request):
+    """flash_attn_func's bottom-right causal (the query sees every key) and a CUDA graph of the route."""
+    from conftest import capture_graph
+    from flashcore.flash_attn_interface import flash_attn_func
+
+    g = make_generator(request, "cuda")
+    q = torch.randn(4, 1, 16, 128, generator=g, device="cuda").half()
+    k, v = (torch.randn(4, 4096, 4, 128, generator=g, device="cuda").half() for _ in range(2))
+    out = flash_attn_func(q, k, v, causal=True)
+    assert flashcore.last_kernel("fwd").startswith("decode")
+    qt, kt, vt = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(4, 1), v.transpose(1, 2).repeat_interleave(4, 1)
+    r, _ = reference_attention(qt, kt, vt)
+    check_close("out", out.transpose(1, 2), r, lowp_attention(qt, kt, vt))
+    graph, static = capture_graph(lambda: flash_attn_func(q, k, v, causal=True))
+    q.copy_(torch.randn_like(q))
+    static.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(static, flash_attn_func(q, k, v, causal=True))

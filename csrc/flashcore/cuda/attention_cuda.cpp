@@ -110,6 +110,9 @@ bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, cons
                             const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes,
                             bool score_mod, at::Tensor& out, at::Tensor& lse);
 
+bool dense_decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const AttentionOptions& opts, const cudaDeviceProp& prop, at::Tensor& out, at::Tensor& lse);
+
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at::Tensor& key_in,
                                             const at::Tensor& value_in, double softmax_scale, bool is_causal,
                                             bool causal_bottom_right, int64_t window_left, int64_t window_right,
@@ -129,6 +132,7 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at
   const at::Tensor value = aligned_for_16b_loads(value_in);
   const FwdParams p = make_fwd_params(query, key, value, out, lse, opts);
   if (fwd_is_trivial(p, out, lse, opts)) return {out, lse};
+  if (dense_decode_step(query, key, value, opts, prop, out, lse)) return {out, lse};
   if (dense_on_packed_varlen(query, key, value, prop, softmax_scale, is_causal, causal_bottom_right, window_left,
                              window_right, softcap, sinks, alibi_slopes, transforms_scores(opts), out, lse))
     return {out, lse};
@@ -456,6 +460,13 @@ void run_decode_kernel(DecodeParams& p, int64_t num_splits, const at::Tensor& qu
   decode::launch_decode(p, plan, bf16, at::cuda::getCurrentCUDAStream());
 }
 
+// The KV-cache kernel's head-dim-256 blocks for more than 16 query rows a KV head need the shared memory of sm_80
+// and sm_90 (decode.h); the routes below keep such calls on their own kernels elsewhere (plan_decode would refuse
+// them).
+bool decode_kernel_fits(int64_t rows_per_kv_head, int64_t head_dim, const cudaDeviceProp& prop) {
+  return rows_per_kv_head <= 16 || head_dim <= 128 || prop.sharedMemPerBlockOptin >= 160 * 1024;
+}
+
 // A decode step through the varlen op: one query a sequence (max_seqlen_q 1 and total_q = batch, so sequence b owns
 // query row b), as serving engines and transformers' padded decoding call flash_attn_varlen_func. It runs on the
 // KV-cache kernel, which packs a KV head's query heads into one block's rows, reads the head's keys once for all of
@@ -463,10 +474,12 @@ void run_decode_kernel(DecodeParams& p, int64_t num_splits, const at::Tensor& qu
 // holding one query (docs/PERFORMANCE.md). Its entries read the packed keys as seqlen.h's sequences (one cache row
 // whose entries start at cu_seqlens_k, make_varlen_decode_params), with the same alignment and outputs. Not where a
 // kernel family is forced (FLASHCORE_FORCE_KERNEL) or for empty tensors (the varlen path's trivial cases).
-bool varlen_decode_step(const VarlenArgs& args, const at::Tensor& query, const at::Tensor& key) {
+bool varlen_decode_step(const VarlenArgs& args, const at::Tensor& query, const at::Tensor& key,
+                        const cudaDeviceProp& prop) {
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   return args.max_seqlen_q == 1 && query.size(0) == args.batch() && query.numel() > 0 && key.numel() > 0 &&
-         key.size(0) <= kIntMax && query.size(0) * key.size(1) <= kIntMax && forced_fwd_family().empty();
+         key.size(0) <= kIntMax && query.size(0) * key.size(1) <= kIntMax && forced_fwd_family().empty() &&
+         decode_kernel_fits(query.size(1) / key.size(1), query.size(2), prop);
 }
 
 std::tuple<at::Tensor, at::Tensor> run_varlen_decode_step(const at::Tensor& query_in, const at::Tensor& key_in,
@@ -481,6 +494,36 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_decode_step(const at::Tensor& quer
   DecodeParams p = make_varlen_decode_params(query, key, value, out, lse, args, opts);
   run_decode_kernel(p, /*num_splits=*/0, query, prop);
   return {out, lse};
+}
+
+// A dense decode step, one query a head (flash_attn_func or attention() in a generation loop over a contiguous
+// cache): the KV-cache kernel too, where the dense kernels hold one query in a block of 64 or more rows per query
+// head, read a KV head's keys once per query head and split the keys only where the grid is small (H200, 32 / 8
+// heads, hd128: 8 x 8k 182 against 69 us, 8 x 1024 30.8 against 15.7; 32 / 32 heads 263 against 250). From
+// kDenseDecodeMinKeys keys, and from kDenseDecodeOneWaveMinKeys where the dense grid (a block a query head) fits one
+// wave: there the dense kernels' compact one-warpgroup block is quicker (4 x 576: 8.5 against 11.4 us, 4 x 1024
+// 11.0 against 12.1; 4 x 2048 19.6 against 15.3). The batch rows are the cache's entries, every one full
+// (cache_seqlens at INT_MAX, which kv_seq clamps to the keys; its fill costs ~1.5 us a call, the gap to the KV-cache
+// op on the same cache); the mask is the op's own, either causal alignment. Writes out and lse as the dense kernels
+// would (the same layouts); false, nothing done, where a kernel family is forced or the grid would not fit.
+constexpr int64_t kDenseDecodeMinKeys = 1024, kDenseDecodeOneWaveMinKeys = 2048;
+
+bool dense_decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                       const AttentionOptions& opts, const cudaDeviceProp& prop, at::Tensor& out, at::Tensor& lse) {
+  constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
+  const int64_t B = query.size(0), Sq = query.size(2), Hkv = key.size(1), Sk = key.size(2);
+  if (Sq != 1 || Sk < kDenseDecodeMinKeys || Sk > kIntMax || B * Hkv > kIntMax || !forced_fwd_family().empty() ||
+      !decode_kernel_fits(query.size(1) / Hkv, query.size(3), prop))
+    return false;
+  // One wave of the dense kernels' blocks over short caches: their compact block is quicker.
+  if (Sk < kDenseDecodeOneWaveMinKeys && B * query.size(1) <= prop.multiProcessorCount) return false;
+  KvCacheArgs args;  // every entry full: lengths past the keys, which kv_seq clamps to them
+  args.cache_seqlens = at::full({B}, kIntMax, query.options().dtype(at::kInt));
+  // (batch, seq, heads, dim) views, as the KV-cache op takes its query and caches
+  DecodeParams p = make_decode_params(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                      out.transpose(1, 2), lse, args, opts);
+  run_decode_kernel(p, /*num_splits=*/0, query, prop);
+  return true;
 }
 
 // short_rows_on_sm90: the Hopper kernel even for max_seqlen_q <= kVarlenSm90MinRows (a KV cache's chunked prefill,
@@ -503,7 +546,7 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_fwd(const at::Tensor& query_in, co
   const c10::cuda::CUDAGuard guard(query_in.device());
   const cudaDeviceProp& prop = device_properties(query_in);
   check_varlen_grid(args, query_in.size(1), max_seqlen_q, "query");
-  if (paged == nullptr && varlen_decode_step(args, query_in, key_in))
+  if (paged == nullptr && varlen_decode_step(args, query_in, key_in, prop))
     return run_varlen_decode_step(query_in, key_in, value_in, args, opts, prop);
 
   auto [out, lse] = alloc_varlen_fwd_outputs(query_in);
