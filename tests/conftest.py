@@ -350,6 +350,16 @@ def gpu_families():
     return fams
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, so that the CPU forward's packed query heads (fwd_cpu.cpp: heads_per_task, taken where
+    the packed tasks keep every thread busy) run whatever the machine."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(params=["sm80", "sm90"])
 def family(request, monkeypatch):
     """A forward kernel family, forced (FLASHCORE_FORCE_KERNEL); tests assert it ran (assert_ran)."""

@@ -121,6 +121,19 @@ def test_variant_forward_cpu(request, variant, dtype):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", CPU_DTYPES, ids=str)
+@pytest.mark.parametrize("sq", [1, 5])
+def test_variant_few_queries_gqa_cpu(request, one_thread, variant, dtype, sq):
+    """A decode step and a short chunk with GQA: the CPU forward packs a group's query heads into one task's rows
+    (row r: query r % Sq of head r / Sq), so the mask, softcap, sinks and LSE rows must follow each row's query and
+    head (ALiBi keeps one head a task); the backward reads that LSE."""
+    q, k, v, kw, ref = make_case(request, "cpu", dtype, 2, 8, 2, sq, 150, 32, VARIANTS[variant])
+    run_forward(q, k, v, kw, ref)
+    if dtype in (torch.float32, torch.bfloat16):
+        run_backward(q, k, v, kw, ref, dtype=dtype)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_variant_backward_cpu(request, variant, dtype):
     q, k, v, kw, ref = make_case(request, "cpu", dtype, 1, 4, 2, 90, 130, 48, VARIANTS[variant], layout="bshd")

@@ -167,6 +167,17 @@ def test_varlen_backward_cpu(request, variant, dtype):
     run_backward(q, k, v, cu_q, cu_k, kw)
 
 
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_varlen_few_queries_gqa_cpu(request, one_thread, variant, dtype):
+    """Decode-like batches (at most 3 queries a sequence) with GQA: the CPU forward's packed query heads
+    (fwd_cpu.cpp: heads_per_task) per sequence, with empty sequences and sequences without keys."""
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cpu", dtype, [1, 0, 3, 1, 2], [50, 7, 0, 130, 64], 8, 2, 40,
+                                        VARIANTS[variant])
+    run_forward(q, k, v, cu_q, cu_k, kw)
+    run_backward(q, k, v, cu_q, cu_k, kw)
+
+
 def test_varlen_seqused_k_cpu(request):
     """seqused_k: only the first n keys of each sequence; the unused keys get zero gradients."""
     q, k, v, cu_q, cu_k, kw = make_case(request, "cpu", torch.float32, [30, 10, 70], [50, 20, 90], 2, 2, 16,

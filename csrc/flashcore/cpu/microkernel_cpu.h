@@ -66,12 +66,15 @@ enum class GemmMode {
 // columns [begin(r), end(r)), from the mask's band (mask.h): key j is visible from query i iff lo <= j - i <= hi.
 struct BlockMask {
   int64_t valid;  // keys of the block (columns past it are padding)
-  int64_t lo, hi;  // the band relative to the block: c - r in [lo, hi] (band.lo + i0 - j0, band.hi + i0 - j0)
+  int64_t lo, hi;  // the band relative to the block: c - q in [lo, hi] (band.lo + i0 - j0, band.hi + i0 - j0)
+  // Rows of one query head: row r is query i0 + r % period (the forward's packed query heads, fwd_cpu.cpp).
+  int64_t period;
 
-  BlockMask(const Band& band, int64_t i0, int64_t j0, int64_t keys)
-      : valid(keys), lo(band.lo + i0 - j0), hi(band.hi + i0 - j0) {}
-  int64_t begin(int64_t r) const { return std::clamp<int64_t>(r + lo, 0, valid); }
-  int64_t end(int64_t r) const { return std::clamp<int64_t>(r + hi + 1, 0, valid); }
+  BlockMask(const Band& band, int64_t i0, int64_t j0, int64_t keys,
+            int64_t period = std::numeric_limits<int64_t>::max())
+      : valid(keys), lo(band.lo + i0 - j0), hi(band.hi + i0 - j0), period(period) {}
+  int64_t begin(int64_t r) const { return std::clamp<int64_t>(r % period + lo, 0, valid); }
+  int64_t end(int64_t r) const { return std::clamp<int64_t>(r % period + hi + 1, 0, valid); }
 };
 
 // One heap allocation per thread chunk, 64-byte aligned, carved into named blocks of the tile workspaces.
