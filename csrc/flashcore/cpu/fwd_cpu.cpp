@@ -2,7 +2,8 @@
 // queries), or a GQA group's query heads where their queries fit one block (heads_per_task); it walks the key
 // blocks left to right keeping the running row max m, the running sum l and the unnormalized output O in a
 // per-thread fp32 (fp64 for float64) workspace, so nothing of size seqlen_q x seqlen_k exists. Per key block:
-//   S = (scale Q) K^T                 gemm, K packed transposed (head_dim x keys)
+//   S = (scale Q) K^T                 gemm, K packed transposed (head_dim x keys); for a few float32/64 rows,
+//                                     dot products with K's rows in place (scores_from_key_rows)
 //   m', l', P = exp(S - m')           BlockOps::softmax_update (masked scores -> P = 0)
 //   O = diag(exp(m - m')) O + P V     gemm with the rescale fused into its accumulator load
 // and at the end out = O / l, lse = m + log(l) (out = 0, lse = -inf for a row that saw no key).
@@ -101,10 +102,16 @@ void fwd_impl(const FwdParams& p) {
       for (int64_t j0 = key_tiles.begin * kKeyBlock; j0 < key_tiles.end * kKeyBlock; j0 += kKeyBlock) {
         const int64_t keys = std::min(kKeyBlock, seq.seqlen_k - j0);
         const int64_t cols = round_up(keys, kPad);
-        Ops::pack_transposed(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, kt_tile, ldk);
         Ops::pack_rows(v + j0 * p.v_stride.seq, p.v_stride.seq, keys, D, T(1), v_tile, Dp, keys);
-
-        Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ldk, s_tile, ldk);
+        // S from K's rows in place for a few float32/float64 rows (kt_tile's first row holds the key row); half
+        // inputs keep the transposed copy, whose conversion measured faster than a key row's.
+        if (std::is_same_v<S, T> && rows <= Ops::kDotRows) {
+          Ops::scores_from_key_rows(q_tile, Dp, rows, k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, Dp, kt_tile,
+                                    s_tile, ldk, cols);
+        } else {
+          Ops::pack_transposed(k + j0 * p.k_stride.seq, p.k_stride.seq, keys, D, kt_tile, ldk);
+          Ops::template gemm<GemmMode::kStore>(rows, cols, D, q_tile, Dp, 1, kt_tile, ldk, s_tile, ldk);
+        }
         if (mod) Ops::score_mod(s_tile, ldk, rows, cols, cap, slope, i0, j0, alibi_offset,
                                 static_cast<T*>(nullptr));
         const BlockMask mask(band, i0, j0, keys, n);

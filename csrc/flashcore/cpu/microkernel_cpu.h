@@ -363,6 +363,31 @@ struct BlockOps {
     }
   }
 
+  // s[r, c] = sum_d a[r, d] * k[c, d] for r < rows (at most kDotRows) and keys c < keys, k's rows read in place
+  // (each converted once into `row`, depth_pad elements, zeros past depth); s's columns [keys, cols_pad) are 0.
+  // The score GEMM of a block of a few query rows (a decode step): it needs no transposed copy of K, whose scalar
+  // scatter costs more than those rows' multiply-adds. a: packed rows of depth_pad (zeros past depth).
+  static constexpr int64_t kDotRows = 8;
+  template <typename S, typename T>
+  static void scores_from_key_rows(const T* a, int64_t lda, int64_t rows, const S* k, int64_t k_stride, int64_t keys,
+                                   int64_t depth, int64_t depth_pad, T* row, T* s, int64_t lds, int64_t cols_pad) {
+    using V = typename Vec<T>::V;
+    constexpr int L = Vec<T>::kLanes;
+    std::fill(row + depth, row + depth_pad, T(0));
+    for (int64_t c = 0; c < keys; ++c) {
+      const S* y = k + c * k_stride;
+      for (int64_t d = 0; d < depth; ++d) row[d] = static_cast<T>(y[d]);
+      V acc[kDotRows];
+      for (int64_t r = 0; r < rows; ++r) acc[r] = V{};
+      for (int64_t d = 0; d < depth_pad; d += L) {
+        const V kv = vload(row + d);
+        for (int64_t r = 0; r < rows; ++r) acc[r] += vload(a + r * lda + d) * kv;
+      }
+      for (int64_t r = 0; r < rows; ++r) s[r * lds + c] = hsum<T>(acc[r]);
+    }
+    for (int64_t r = 0; r < rows; ++r) std::fill(s + r * lds + keys, s + r * lds + cols_pad, T(0));
+  }
+
   // out[r] = sum_c a[r, c] * b[r, c] (the backward's D_i = dO_i . O_i), a packed, b read in place.
   template <typename S, typename T>
   static void row_dots(const T* a, int64_t lda, const S* b, int64_t b_stride, int64_t rows, int64_t cols, T* out) {
