@@ -72,6 +72,11 @@ def make_cache(B, L, mixed, page, Hkv, D, dtype, gen):
     return k, v, k, v, lens.cuda(), None
 
 
+def backend_variants(backends, kind):
+    """(name, switches) of each `kind` or `kind@NAME=VALUE[+NAME=VALUE]` entry of the backend list."""
+    return [(n, switch_settings(n) if "@" in n else {}) for n in backends if n.split("@", 1)[0] == kind]
+
+
 def graph_time(fn, iters, rounds):
     """Median per-call ms of `iters` calls captured in one CUDA graph."""
     side = torch.cuda.Stream()
@@ -112,9 +117,9 @@ def main():
                     help="flashcore, flashcore@NAME=VALUE[+NAME=VALUE] (flashcore with switches set while its graph "
                          "is captured, e.g. flashcore@FLASHCORE_DECODE_TMA=0 for the cp.async loader), sdpa, fa4, "
                          "varlen[@NAME=VALUE] (the varlen op, one query a sequence, on the dense cache; "
-                         "varlen@FLASHCORE_FORCE_KERNEL=sm80 for its mma.sync kernel), dense[@NAME=VALUE] (the dense op, "
-                         "flash_attn_func, on rows of equal lengths; dense@FLASHCORE_FORCE_KERNEL=sm90 for its own "
-                         "kernels)")
+                         "varlen@FLASHCORE_FORCE_KERNEL=sm80 for its mma.sync kernel), dense[@NAME=VALUE] (the "
+                         "dense op, flash_attn_func, on rows of equal lengths; dense@FLASHCORE_FORCE_KERNEL=sm90 for "
+                         "its own kernels)")
     ap.add_argument("--num-splits", default="0",
                     help="flashcore's num_splits (0: its heuristic); a comma list times each flashcore backend at "
                          "every count, labelled /sN")
@@ -139,10 +144,7 @@ def main():
         kv_bytes = 2 * int(lens.sum()) * Hkv * D * k.element_size()
         runs = {}
         scale = D ** -0.5
-        for name in backends:  # flashcore, or flashcore@NAME=VALUE[+...]: switches set while its graph is captured
-            if name != "flashcore" and not name.startswith("flashcore@"):
-                continue
-            env = switch_settings(name) if name != "flashcore" else {}
+        for name, env in backend_variants(backends, "flashcore"):  # switches set while its graph is captured
             for splits in split_counts:
                 label = name if len(split_counts) == 1 else f"{name}/s{splits}"
 
@@ -151,20 +153,18 @@ def main():
                         return kvcache_fwd(q, kc, vc, lens, table, None, None, scale, True, -1, -1, 0.0, None, None,
                                            splits)
                 runs[label] = call
-        for name in backends:  # dense[@NAME=VALUE...]: flash_attn_func on the cache (equal lengths only)
-            if (name != "dense" and not name.startswith("dense@")) or page or mixed:
+        for name, env in backend_variants(backends, "dense"):  # flash_attn_func on the cache (equal lengths only)
+            if page or mixed:
                 continue
-            env = switch_settings(name) if name != "dense" else {}
             qd, kd, vd = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
             def dense_call(env=env, qd=qd, kd=kd, vd=vd):
                 with environment(env):
                     return dense_fwd(qd, kd, vd, scale, True, True)
             runs[name] = dense_call
-        for name in backends:  # varlen[@NAME=VALUE...]: the varlen op on the same cache (flash_attn_varlen_func)
-            if (name != "varlen" and not name.startswith("varlen@")) or page or Sq != 1:
+        for name, env in backend_variants(backends, "varlen"):  # the varlen op on the same cache
+            if page or Sq != 1:
                 continue
-            env = switch_settings(name) if name != "varlen" else {}
             q_rows, k_rows, v_rows = q.view(B, Hq, D), k.view(B * L, Hkv, D), v.view(B * L, Hkv, D)
             cu_q = torch.arange(B + 1, dtype=torch.int32, device="cuda")
             cu_k = cu_q * L
