@@ -42,9 +42,14 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
   its decoding step) runs with fullgraph=True and no recompilation per step; a mask of another form (right
   padding with new tokens after it) raises on the device. A padded causal batch with as many queries as keys
   (training) is unpadded on the host as flash_attention_2 does: a graph break (fullgraph=False compiles around
-  it).
+  it). That holds for any 2-D mask on such a call, a tokenizer's mask of ones included (whether it pads is data):
+  ``torch.compile(model, fullgraph=True)`` of a prefill or training forward wants ``attention_mask=None`` there.
 * ``sliding_window=w``: query i sees keys i - w + 1 .. i (flash-attn's window_size=(w - 1, w - 1), exactly as
-  transformers' flash_attention_2 converts it; w keys in all, transformers' mask convention).
+  transformers' flash_attention_2 converts it; w keys in all, transformers' mask convention). Non-causal windows
+  follow the same rule (|i - j| < w), as flash_attention_2 does: models that build bidirectional windowed masks
+  of |i - j| <= w pass w + 1 for flash-attn (ModernBert, Gemma 3), and those that do not (T5Gemma's encoder,
+  Gemma 4 with ``use_bidirectional_attention``) see one key fewer a side than under eager/sdpa, as with
+  flash_attention_2.
 * ``softcap`` (Gemma 2), ``s_aux`` (GPT-OSS's attention sinks, differentiable), ``scaling``, GQA/MQA (k/v with fewer
   heads, never repeated), ``is_causal`` (encoders / bidirectional attention), a value head dim smaller than the
   query's (padded, output cropped).
@@ -62,7 +67,10 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
   not know only widens the mask, and is ignored with a warning, as flash-attn's backend does. Attention kwargs that
   change scores or the keys a query sees raise NotImplementedError: a T5-style ``position_bias``, ``block_indices``
   and ``indices`` (sparse attention), per-token ``sinks``, and a value head dim larger than the query's.
-  ``output_attentions`` returns None as weights. Paged attention / continuous batching is not wired up.
+  ``output_attentions`` returns None as weights. Paged attention / continuous batching is not wired up. Head dims
+  above 256 (Gemma 4's global layers, 512) raise, as they do with flash-attn. Gemma 4 with KV-shared layers
+  (``num_kv_shared_layers``) fails in transformers' own code with any 2-D mask: it slices masks as 4-D unless the
+  implementation's name contains "flash" (``_maybe_slice_kv_shared_inputs``), which this name cannot (above).
 """
 
 from __future__ import annotations
