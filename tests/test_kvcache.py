@@ -647,6 +647,34 @@ def test_kvcache_longest_first_cuda(request, monkeypatch, num_splits, page_size,
     assert torch.equal(out, out_index_order) and torch.equal(lse, lse_index_order)
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("num_splits", [2, 3, 5, 8], ids=lambda s: f"splits{s}")
+@pytest.mark.parametrize("variant", ["plain", "all"])
+@pytest.mark.parametrize("page_size", [None, 16], ids=lambda p: f"page{p}" if p else "dense")
+@pytest.mark.parametrize("head_dim", [64, 128, 256, 100])
+def test_kvcache_cluster_merge_cuda(request, monkeypatch, num_splits, variant, page_size, head_dim):
+    """A decode step's splits merged in a thread-block cluster (sm_90: decode_kernel.cuh merge_splits_in_cluster),
+    empty splits and entries included (lengths 0 and 1 leave most splits no key), against the reference and against
+    the combine kernel's merge of the same splits (FLASHCORE_DECODE_CLUSTER=0), bitwise."""
+    v = GPU_VARIANTS.get(variant, {})
+    # 5 entries x 2 kv heads x 8 splits at most: 80 blocks, which every Hopper part holds at once in clusters of
+    # one block an SM (decode_launch.cu: merge_in_clusters), so the merge is taken at every split count here.
+    inputs, kw = make_case(request, "cuda", torch.float16, B=5, Sq=1, Hq=8, Hkv=2, D=head_dim, capacity=GPU_CAP,
+                           lens=[0, 1, 70, 333, FULL], page_size=page_size, causal=True, num_splits=num_splits,
+                           **{k: x for k, x in v.items() if k != "causal"})
+    out, lse, *_ = run_case(inputs, kw)
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert "cluster" in flashcore.last_kernel("fwd"), flashcore.last_kernel("fwd")
+    monkeypatch.setenv("FLASHCORE_DECODE_CLUSTER", "0")
+    q, k_cache, v_cache = inputs
+    out_combine, lse_combine = flash_attn_with_kvcache(q, k_cache.clone(), v_cache.clone(), **kw)
+    assert "cluster" not in flashcore.last_kernel("fwd")
+    # The same arithmetic in the same order (decode_kernel.cuh): bitwise equal, so a plan's choice of merge (which
+    # the residency can change) never changes a result.
+    assert torch.equal(out, out_combine) and torch.equal(lse, lse_combine)
+
+
 PREFILL_MODE = dict(B=3, Sq=96, Sn=96, lens=[0, 200, FULL - 96])
 PREFILL_HEADS = (48, 6)  # 3 x 48 blocks: enough to fill an H100's or H200's SMs
 PREFILL_VARIANTS = ["plain", "noncausal", "window", "window_both", "window_causal", "softcap", "sinks",

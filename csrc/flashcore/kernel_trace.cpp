@@ -33,6 +33,7 @@ std::string last_kernel(Pass pass) {
   if (t.packed_grid) s += " packed-grid";
   if (t.varlen) s += " varlen";
   if (t.longest_first) s += " longest-first";
+  if (t.cluster_merge) s += " cluster";
   if (t.dq_overlap) s += " dq-overlap";
   if (t.deterministic) s += " deterministic";
   if (t.wide_block_m > 0) s += " m" + std::to_string(t.wide_block_m);

@@ -18,6 +18,7 @@ struct KernelTrace {
   bool score_mod = false;       // CUDA kernels: the score-mod variant (softcap, ALiBi, non-positive scale)
   bool varlen = false;          // CUDA kernels: the variable-length variant (seqlen.h)
   bool longest_first = false;   // KV-cache kernel: blocks took their batch entries longest first
+  bool cluster_merge = false;   // KV-cache kernel: the splits merged in thread-block clusters (no combine kernel)
   bool dq_overlap = false;      // sm90 backward: the dQ post-pass converts tiles as they count down (dq_tiles_pending)
   bool deterministic = false;   // sm90 backward: dQ reductions in key-block order (BwdParams::dq_turns)
   int wide_block_m = 0;         // backward: the wide-step kernel's query rows a step, where it ran
@@ -27,7 +28,7 @@ struct KernelTrace {
 
 void record_kernel(Pass pass, const KernelTrace& trace);
 // "sm90 hdim128 wg2", "sm90 hdim64 wg1 splits3", "sm80 hdim64 mod", "sm80 hdim128 mod varlen", "decode hdim128
-// longest-first", "sm90 hdim128 dq-overlap m80", "sm90 hdim128 wg2 pack4 packed-grid varlen", "cpu", "composite", "none", ...
+// longest-first", "decode stages3 hdim128 splits4 cluster", "sm90 hdim128 dq-overlap m80", "sm90 hdim128 wg2 pack4 packed-grid varlen", "cpu", "composite", "none", ...
 std::string last_kernel(Pass pass);
 
 }  // namespace flashcore

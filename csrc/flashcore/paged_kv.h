@@ -86,8 +86,12 @@ struct DecodeParams {
   KvCacheParams kv;
   int num_splits = 1;
   bool longest_first = false;  // blocks take batch entries longest first (decode_kernel.cuh, entry_of_rank)
-  // num_splits > 1: each split's normalized partial output (num_splits, batch, heads_q, seqlen_q, head_dim) and
-  // log-sum-exp (num_splits, batch, heads_q, seqlen_q), float32, merged by the combine kernel.
+  // The splits of one (entry, kv head, row block) are one thread-block cluster (sm_90, num_splits <= 8) and merge
+  // their partial results through distributed shared memory: no partials in global memory, no combine kernel.
+  bool cluster_merge = false;
+  // num_splits > 1 without cluster_merge: each split's normalized partial output (num_splits, batch, heads_q,
+  // seqlen_q, head_dim) and log-sum-exp (num_splits, batch, heads_q, seqlen_q), float32, merged by the combine
+  // kernel.
   float* o_partial = nullptr;
   float* lse_partial = nullptr;
   // f.lse's layout, row (b, hq, pos) at b * lse_batch_stride + hq * lse_head_stride + pos: (batch, heads_q,

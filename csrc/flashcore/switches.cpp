@@ -108,6 +108,14 @@ int decode_tma_forced() {
   return v[0] - '0';
 }
 
+int decode_cluster_forced() {
+  const char* v = env("FLASHCORE_DECODE_CLUSTER");
+  if (v == nullptr) return -1;
+  TORCH_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0,
+              "flashcore: FLASHCORE_DECODE_CLUSTER must be 0 or 1, got '", v, "'");
+  return v[0] - '0';
+}
+
 int decode_blocks_per_sm_forced() {
   const char* v = env("FLASHCORE_DECODE_BLOCKS_PER_SM");
   if (v == nullptr) return 0;

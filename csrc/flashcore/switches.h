@@ -37,6 +37,9 @@
 //                                               choice: cp.async)
 //   FLASHCORE_DECODE_STAGES=2|3                 the cp.async loader's K/V stages (default: decode_launch.cu's
 //                                               choice)
+//   FLASHCORE_DECODE_CLUSTER=0|1                the KV-cache kernel's splits: 0 always merged by the combine kernel,
+//                                               1 in a thread-block cluster wherever one can (sm_90 code, 2-8
+//                                               splits) (default: decode_launch.cu's choice)
 //   FLASHCORE_DECODE_BLOCKS_PER_SM=N            a decode step's blocks resident an SM (N >= 1, at most what fits),
 //                                               also the slots its split count fills; turns off the one-wave plan;
 //                                               not for TMA or chunked prefill (default: decode_launch.cu's choice)
@@ -64,6 +67,7 @@ bool dq_convert_kernel_enabled();
 bool bwd_dq_overlap_enabled();
 int decode_tma_forced();      // -1 when not forced, else 0 or 1; throws on a malformed value
 int decode_stages_forced();   // 0 when not forced, else 2 or 3; throws on a malformed value
+int decode_cluster_forced();  // -1 when not forced, else 0 or 1; throws on a malformed value
 int decode_blocks_per_sm_forced();  // 0 when not forced, else >= 1; throws on a malformed value
 
 }  // namespace flashcore

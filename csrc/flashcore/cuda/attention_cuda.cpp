@@ -445,8 +445,9 @@ void run_decode_kernel(DecodeParams& p, int64_t num_splits, const at::Tensor& qu
   const decode::DecodePlan plan = decode::plan_decode(p, (int)num_splits, bf16, prop);
   p.num_splits = plan.splits;
   p.longest_first = plan.longest_first;
+  p.cluster_merge = plan.cluster_merge;
   at::Tensor o_partial, lse_partial;
-  if (plan.splits > 1) {
+  if (plan.splits > 1 && !plan.cluster_merge) {
     const int64_t rows = p.f.batch * p.f.heads_q * p.f.seqlen_q;
     o_partial = at::empty({plan.splits * rows * p.f.head_dim}, query.options().dtype(at::kFloat));
     lse_partial = at::empty({plan.splits * rows}, query.options().dtype(at::kFloat));
@@ -456,6 +457,7 @@ void run_decode_kernel(DecodeParams& p, int64_t num_splits, const at::Tensor& qu
   KernelTrace trace{plan.tma ? "decode tma" : plan.stages == 3 ? "decode stages3" : "decode", plan.head_dim_tile, 0,
                     plan.splits};
   trace.longest_first = plan.longest_first;
+  trace.cluster_merge = plan.cluster_merge;
   record_kernel(Pass::kFwd, trace);
   decode::launch_decode(p, plan, bf16, at::cuda::getCurrentCUDAStream());
 }

@@ -25,6 +25,7 @@
 #include "../../paged_kv.h"
 #include "../common/online_softmax.cuh"
 #include "../common/smem_tile.cuh"
+#include "../ptx/cluster.cuh"
 #include "../ptx/cp_async.cuh"
 #include "../ptx/grid_dependency.cuh"
 #include "../ptx/math.cuh"
@@ -65,8 +66,12 @@ struct DecodeTraits {
       !kTma ? kCpAsyncStages_ : kStagesForBytes < 2 ? 2 : kStagesForBytes > 4 ? 4 : kStagesForBytes;
   // The epilogue's merge buffers reuse the stages: per warp, 16 rows of O (float) and (max, sum) a row.
   static constexpr int kMergeBytes = 4 * 16 * kHeadDim * 4 + 4 * 16 * 2 * 4;
+  // A decode step whose splits form a cluster (DecodeParams::cluster_merge) keeps its partial result there too,
+  // behind the merge buffers: the block's rows of output (float) and their lse.
+  static constexpr bool kClusterMerge = !kRowsMode && !kTma;
+  static constexpr int kClusterPartBytes = kClusterMerge ? kBlockM * (kHeadDim + 1) * 4 : 0;
   static constexpr int kStageBytes = kStages * kStageElems * (int)sizeof(Element);
-  static_assert(kMergeBytes <= kStageBytes, "merge buffers fit in the stages");
+  static_assert(kMergeBytes + kClusterPartBytes <= kStageBytes, "merge buffers fit in the stages");
   // TMA: the 128-byte swizzle is a function of address bits, so tiles start on 1024-byte boundaries (slack to align
   // the dynamic base); the stages' full barriers follow the stages.
   static constexpr int kAlignSlack = kTma ? 1024 : 0;
@@ -160,9 +165,109 @@ __device__ __forceinline__ void combine_row(const DecodeParams& p, int64_t row, 
   if (lane == 0) f.lse[p.lse_index(b, hq, pos)] = empty ? -INFINITY : m + __logf(l);
 }
 
+// The splits of a cluster (DecodeParams::cluster_merge) merged through distributed shared memory: split s left its
+// normalized rows of output (part_o, kBlockM x kHeadDim floats) and their lse (part_lse, natural log, -inf for an
+// empty split) in its own shared memory; after the cluster barrier the block of rank r merges rows r, r + S, ...
+// from every split's memory and writes the output and lse (the sink joins here, once). A thread issues all its
+// loads (kRowsPerRank x S lse values and outputs) before it uses any: one round trip of distributed shared memory.
+// The arithmetic is combine_row's, operation for operation (its weights' sum in the order of its warp's butterfly
+// over lanes that hold one split each), so a call's result does not depend on which of the two merges its plan
+// takes (the residency can change that). The second barrier keeps every block's shared memory alive until the
+// others have read it.
+template <int kSplits>
+__device__ __forceinline__ float butterfly_sum(const float (&e)[kSplits]) {
+  static_assert(kSplits <= 8, "lanes 8 .. 31 of combine_row's warp hold zeros");
+  float v[8];
+#pragma unroll
+  for (int s = 0; s < 8; ++s) v[s] = s < kSplits ? e[s < kSplits ? s : 0] : 0.f;
+  // combine_row's xor-shuffle sum: offsets 16 and 8 add zeros, then 4, 2, 1.
+  return ((v[0] + v[4]) + (v[2] + v[6])) + ((v[1] + v[5]) + (v[3] + v[7]));
+}
+
+template <typename Traits, int kSplits>
+__device__ __forceinline__ void merge_splits_in_cluster(const DecodeParams& p, const float* part_o,
+                                                        const float* part_lse, int b, int kvh, int m0) {
+  using Element = typename Traits::Element;
+  constexpr int kHeadDim = Traits::kHeadDim, kBlockM = Traits::kBlockM, kNThreads = Traits::kNThreads;
+  constexpr int kRowsPerRank = (kBlockM + kSplits - 1) / kSplits;
+  constexpr int kCols = (kHeadDim + kNThreads - 1) / kNThreads;  // columns a thread
+  const FwdParams& f = p.f;
+  const int group = (int)f.group, head_dim = (int)f.head_dim, rows = (int)f.seqlen_q * group;
+  const int rank = (int)ptx::cluster_rank();
+  ptx::cluster_arrive();
+  ptx::cluster_wait();  // every split's part_o / part_lse written
+
+  float lse[kRowsPerRank][kSplits], val[kRowsPerRank][kSplits][kCols], sink[kRowsPerRank];
+#pragma unroll
+  for (int s = 0; s < kSplits; ++s) {
+    const float* o_s = ptx::map_generic_to_rank(part_o, (uint32_t)s);
+    const float* lse_s = ptx::map_generic_to_rank(part_lse, (uint32_t)s);
+#pragma unroll
+    for (int k = 0; k < kRowsPerRank; ++k) {
+      const int row = rank + k * kSplits;
+      const bool ok = row < kBlockM && m0 + row < rows;
+      lse[k][s] = ok ? lse_s[row] : -INFINITY;
+#pragma unroll
+      for (int c = 0; c < kCols; ++c) {
+        const int col = (int)threadIdx.x + c * kNThreads;
+        val[k][s][c] = ok && col < head_dim ? o_s[row * kHeadDim + col] : 0.f;
+      }
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kRowsPerRank; ++k) {
+    const int R = m0 + min(rank + k * kSplits, kBlockM - 1);
+    const int hq = kvh * group + min(R, rows - 1) % group;
+    sink[k] = f.score.sinks ? f.score.sinks[hq] : -INFINITY;  // natural-log units, as in combine_row
+  }
+#pragma unroll
+  for (int k = 0; k < kRowsPerRank; ++k) {
+    const int row = rank + k * kSplits, R = m0 + row;
+    if (row >= kBlockM || R >= rows) continue;
+    const int pos = R / group, hq = kvh * group + R % group;
+    float m = sink[k];
+#pragma unroll
+    for (int s = 0; s < kSplits; ++s) m = fmaxf(m, lse[k][s]);
+    float w[kSplits];
+#pragma unroll
+    for (int s = 0; s < kSplits; ++s) w[s] = m == -INFINITY ? 0.f : __expf(lse[k][s] - m);
+    float l = butterfly_sum<kSplits>(w);
+    if (f.score.sinks && m != -INFINITY) l += __expf(sink[k] - m);
+    const bool empty = !(l > 0.f);
+    const float inv = empty ? 0.f : 1.f / l;
+    Element* dst = static_cast<Element*>(f.out) + b * f.out_stride.batch + hq * f.out_stride.head + pos * f.out_stride.seq;
+#pragma unroll
+    for (int c = 0; c < kCols; ++c) {
+      const int col = (int)threadIdx.x + c * kNThreads;
+      if (col >= head_dim) continue;
+      float acc = 0.f;
+#pragma unroll
+      for (int s = 0; s < kSplits; ++s) acc = fmaf(w[s], val[k][s][c], acc);
+      dst[col] = static_cast<Element>(acc * inv);
+    }
+    if (threadIdx.x == 0) f.lse[p.lse_index(b, hq, pos)] = empty ? -INFINITY : m + __logf(l);
+  }
+  ptx::cluster_arrive();
+  ptx::cluster_wait();  // no block leaves while another reads its shared memory
+}
+
+template <typename Traits>
+__device__ __forceinline__ void merge_splits_in_cluster(const DecodeParams& p, const float* part_o,
+                                                        const float* part_lse, int b, int kvh, int m0) {
+  switch (p.num_splits) {  // launch_decode: clusters of 2 .. 8 splits
+    case 2: merge_splits_in_cluster<Traits, 2>(p, part_o, part_lse, b, kvh, m0); break;
+    case 3: merge_splits_in_cluster<Traits, 3>(p, part_o, part_lse, b, kvh, m0); break;
+    case 4: merge_splits_in_cluster<Traits, 4>(p, part_o, part_lse, b, kvh, m0); break;
+    case 5: merge_splits_in_cluster<Traits, 5>(p, part_o, part_lse, b, kvh, m0); break;
+    case 6: merge_splits_in_cluster<Traits, 6>(p, part_o, part_lse, b, kvh, m0); break;
+    case 7: merge_splits_in_cluster<Traits, 7>(p, part_o, part_lse, b, kvh, m0); break;
+    default: merge_splits_in_cluster<Traits, 8>(p, part_o, part_lse, b, kvh, m0); break;
+  }
+}
+
 // The end of a block: the warps that share rows (kWarpsN of them) merge their softmax states and outputs through
-// shared memory (the stages, free by now), normalize, and write the output and lse directly (one split), or this
-// split's partial output and lse for the combine kernel.
+// shared memory (the stages, free by now), normalize, and write the output and lse directly (one split), this
+// split's partial output and lse for the combine kernel, or (a cluster of splits) for merge_splits_in_cluster.
 template <typename Traits, typename Softmax>
 __device__ __forceinline__ void store_block_result(const DecodeParams& p, float* merge_o, const Softmax& softmax,
                                                    const float (&o)[1][Traits::kDTiles][4], int b, int kvh, int m0,
@@ -191,6 +296,13 @@ __device__ __forceinline__ void store_block_result(const DecodeParams& p, float*
   __syncthreads();
 
   const bool direct = p.num_splits == 1;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const bool in_cluster = Traits::kClusterMerge && p.cluster_merge && !direct;
+#else
+  constexpr bool in_cluster = false;  // clusters are sm_90 (launch_decode asks for them only there)
+#endif
+  float* const part_o = merge_ml + 4 * 16 * 2;  // in_cluster: [kBlockM][kHeadDim], then part_lse [kBlockM]
+  float* const part_lse = part_o + Traits::kBlockM * kHeadDim;
   const int64_t rows_total = f.batch * f.heads_q * f.seqlen_q;
   for (int idx = threadIdx.x; idx < Traits::kBlockM * kHeadDim; idx += Traits::kNThreads) {
     const int row = idx / kHeadDim, col = idx % kHeadDim;
@@ -220,12 +332,19 @@ __device__ __forceinline__ void store_block_result(const DecodeParams& p, float*
                      pos * f.out_stride.seq + col;
       *dst = static_cast<Element>(out);
       if (col == 0) f.lse[p.lse_index(b, hq, pos)] = lse;
+    } else if (in_cluster) {
+      part_o[row * kHeadDim + col] = out;
+      if (col == 0) part_lse[row] = lse;  // what the combine kernel would read from lse_partial
     } else {
       const int64_t prow = split * rows_total + lse_row;
       p.o_partial[prow * head_dim + col] = out;
       if (col == 0) p.lse_partial[prow] = lse;
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if constexpr (Traits::kClusterMerge)
+    if (in_cluster) merge_splits_in_cluster<Traits>(p, part_o, part_lse, b, kvh, m0);
+#endif
 }
 
 // Longest entries first. The hardware starts a grid's blocks in about blockIdx order, so where the grid has more
@@ -295,8 +414,18 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int wm = warp / Traits::kWarpsN, wn = warp % Traits::kWarpsN;
+  // Grid x = (entry, kv head), y = split; or, with the splits in clusters (cluster_merge), x = (entry, kv head) x
+  // split, one cluster an (entry, kv head), the split its rank.
+  uint32_t pair = blockIdx.x;
+  int split = blockIdx.y;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (p.cluster_merge) {
+    pair = ptx::cluster_id_x();
+    split = (int)ptx::cluster_rank();
+  }
+#endif
   uint32_t kvh_u = 0;
-  const int entry_rank = (int)f.heads_kv_div.divmod(blockIdx.x, kvh_u);
+  const int entry_rank = (int)f.heads_kv_div.divmod(pair, kvh_u);
   int b = entry_rank;
   if constexpr (!Traits::kRowsMode) {  // decode steps (a chunked prefill's grid keeps the index order)
     // The batch bound again here: it keeps entry_of_rank's shared array in range whatever the host asked.
@@ -304,7 +433,6 @@ __device__ __forceinline__ void decode_block(const DecodeParams& p, const Decode
       b = entry_of_rank<Traits::kBlockN>(p, entry_rank);
   }
   const int kvh = (int)kvh_u;
-  const int split = blockIdx.y;
   const int group = (int)f.group, seqlen_q = (int)f.seqlen_q, head_dim = (int)f.head_dim;
   const int rows = seqlen_q * group;  // packed rows of this (entry, kv head)
   const int m0 = blockIdx.z * kBlockM;

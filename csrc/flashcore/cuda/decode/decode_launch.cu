@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <limits>
 
 #include "../../switches.h"
 #include "../launch_utils.cuh"
@@ -17,6 +18,8 @@ namespace {
 
 using KernelFn = void (*)(const DecodeParams, const DecodeTmaMaps);
 
+constexpr int kMaxClusterResidency = 4;  // blocks an SM up to which clusters_resident caches its answer
+
 struct Variant {
   KernelFn kernel;
   int smem_bytes;
@@ -24,7 +27,8 @@ struct Variant {
   int inflight_bytes;  // K/V bytes the pipeline keeps in flight: the stages ahead of the one computed
   std::atomic<uint64_t>* smem_configured;
   std::atomic<int>* occupancy;     // [64]: blocks an SM of device d at smem_bytes (0: not asked yet)
-  cuda::Sm90CodeCheck* sm90_code;  // whether its code on the device is sm_90 code (the TMA variant; PDL)
+  cuda::Sm90CodeCheck* sm90_code;  // whether its code on the device is sm_90 code (the TMA variant; PDL; clusters)
+  std::atomic<int> (*clusters)[kMaxClusterSplits + 1][kMaxClusterResidency + 1];  // [device]: clusters_resident
 };
 
 template <int kTile, typename Element, bool kRows, bool kTma, int kStages>
@@ -33,9 +37,10 @@ Variant variant() {
   static std::atomic<uint64_t> configured{0};
   static std::atomic<int> occupancy[64];  // static storage: zero-initialised
   static cuda::Sm90CodeCheck sm90_code;
+  static std::atomic<int> clusters[16][kMaxClusterSplits + 1][kMaxClusterResidency + 1];  // 0: not asked yet
   constexpr int kInflight = (Traits::kStages - 1) * Traits::kStageElems * (int)sizeof(Element);
   return Variant{&decode_kernel<Traits>, Traits::kSmemBytes, Traits::kBlockM, kInflight, &configured, occupancy,
-                 &sm90_code};
+                 &sm90_code, clusters};
 }
 
 template <typename Element, bool kTma, int kStages>
@@ -168,9 +173,63 @@ int tma_box_rows(const DecodeParams& p, const cudaDeviceProp& prop) {
   return 0;
 }
 
-}  // namespace
+// Whether a decode step can merge its splits in a cluster at all: a decode-step variant (cp.async loader) whose
+// code here is sm_90, unless FLASHCORE_DECODE_CLUSTER=0.
+bool cluster_capable(const Variant& v, const DecodePlan& plan, const cudaDeviceProp& prop) {
+  return !plan.rows_mode && !plan.tma && decode_cluster_forced() != 0 && prop.major >= 9 &&
+         cuda::runs_sm90_code(v.kernel, *v.sm90_code);
+}
 
-DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cudaDeviceProp& prop) {
+// Clusters of `splits` blocks of variant v that can be resident at once when a block takes `smem` bytes (at most
+// `per_sm` blocks an SM): clusters live within one GPC, so this is not SMs x per_sm / splits. Cached per device,
+// split count and residency.
+int clusters_resident(const Variant& v, int splits, int smem, int per_sm) {
+  const int device = cuda::current_device_index();
+  const bool cached = device < 16 && per_sm >= 1 && per_sm <= kMaxClusterResidency;
+  if (cached)
+    if (const int n = v.clusters[device][splits][per_sm].load(std::memory_order_relaxed); n > 0) return n - 1;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = (unsigned)splits;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((unsigned)splits);
+  config.blockDim = dim3(128);
+  config.dynamicSmemBytes = (size_t)smem;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, v.kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // a configuration that cannot launch: no cluster merge, nothing left pending
+    clusters = 0;
+  }
+  if (cached) v.clusters[device][splits][per_sm].store(clusters + 1, std::memory_order_relaxed);
+  return clusters;
+}
+
+// Whether a decode step's splits are merged in clusters (DecodePlan::cluster_merge), and the launch's shared memory
+// then: 2 .. kMaxClusterSplits splits of a cluster-capable variant whose clusters are all resident at once. Where
+// the whole grid fits one block an SM, the launch is capped at one (the hardware places a cluster's blocks on
+// neighbouring SMs, two an SM where it may, and a block's stream is bound by its SM's loads: 4 x 2048 with 4
+// splits, 128 blocks, measured 14.6 us in clusters uncapped against 13.4 with the combine kernel). A grid of
+// clusters that the GPCs cannot hold at once runs in two waves (8 x 8k through 16-key pages, 4 splits, 64
+// clusters two an SM: 106.7 against 70.2 us), and one of 8-block clusters two an SM over 256 blocks likewise
+// (4 x 576: 15.6 against 9.3 with 6 splits).
+bool merge_in_clusters(const DecodeParams& p, const Variant& v, DecodePlan& plan, const cudaDeviceProp& prop) {
+  if (plan.splits < 2 || plan.splits > kMaxClusterSplits || !cluster_capable(v, plan, prop)) return false;
+  const double clusters = (double)p.f.batch * p.f.heads_kv * plan.m_blocks;
+  if (clusters * plan.splits > (double)std::numeric_limits<int>::max()) return false;
+  const bool one_an_sm = clusters * plan.splits <= prop.multiProcessorCount;
+  const int per_sm = one_an_sm ? 1 : plan.resident;
+  const int smem = one_an_sm ? residency_capped_smem(v, 1, prop) : plan.smem_bytes;
+  if (clusters > clusters_resident(v, plan.splits, smem, per_sm)) return false;
+  plan.smem_bytes = smem;
+  return true;
+}
+
+// plan_decode without the cluster choice: the variant, its residency and the split count.
+DecodePlan plan_splits(const DecodeParams& p, int requested, bool bf16, const cudaDeviceProp& prop) {
   DecodePlan plan;
   const int64_t D = p.f.head_dim;
   plan.head_dim_tile = D <= 64 ? 64 : D <= 128 ? 128 : 256;
@@ -237,6 +296,7 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   resident = std::min(resident, occupancy);
   slots_per_sm = std::min(slots_per_sm, resident);
   if (resident < occupancy) plan.smem_bytes = residency_capped_smem(v, resident, prop);
+  plan.resident = resident;
   if (requested > 0) {
     plan.splits = requested;
     set_order();
@@ -244,10 +304,15 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
   }
   const double slots = (double)slots_per_sm * prop.multiProcessorCount;
   const int64_t tiles = (p.kv.longest_entry() + 63) / 64;  // of the longest possible entry
-  // Splits of at least 4 tiles, a bounded workspace (num_splits x rows x head_dim floats), at most 128.
+  // Splits of at least 3 tiles, a bounded workspace (num_splits x rows x head_dim floats), at most 128; a cache of
+  // at most 4 tiles a split at kMaxClusterSplits splits takes no more than those where a cluster can merge them
+  // (the saved combine kernel is worth more there than more splits: 1 x 2048, H200, 9.2 us in clusters of 8
+  // against 9.9 with 16 splits and the combine kernel; 4 x 576 with 3 splits 9.3 against 10.6 with 2).
   const double rows_total = (double)p.f.batch * p.f.heads_q * p.f.seqlen_q;
   const int64_t by_workspace = (int64_t)std::max(1.0, (1 << 26) / std::max(1.0, rows_total * D));
-  const int max_splits = (int)std::max<int64_t>(1, std::min<int64_t>({128, tiles / 4, by_workspace}));
+  int max_splits = (int)std::max<int64_t>(1, std::min<int64_t>({128, tiles / 3, by_workspace}));
+  if (tiles <= 4 * kMaxClusterSplits && cluster_capable(v, plan, prop))
+    max_splits = std::min(max_splits, kMaxClusterSplits);
   auto efficiency = [&](int s) {
     const double waves = blocks * s / slots;
     return waves / std::ceil(waves);
@@ -260,6 +325,15 @@ DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cu
       break;
     }
   set_order();
+  return plan;
+}
+
+}  // namespace
+
+DecodePlan plan_decode(const DecodeParams& p, int requested, bool bf16, const cudaDeviceProp& prop) {
+  DecodePlan plan = plan_splits(p, requested, bf16, prop);
+  const Variant v = pick(plan.head_dim_tile, plan.rows_mode, bf16, plan.tma, plan.stages);
+  plan.cluster_merge = merge_in_clusters(p, v, plan, prop);
   return plan;
 }
 
@@ -278,8 +352,14 @@ void launch_decode(const DecodeParams& p, const DecodePlan& plan, bool bf16, cud
   }
   // Both kernels with programmatic dependent launch where their code is sm_90 (launch_utils.cuh): a kernel's blocks
   // become resident while the previous kernel of the stream finishes, and wait for it before reading anything.
-  const dim3 grid((unsigned)(p.f.batch * p.f.heads_kv), (unsigned)p.num_splits, (unsigned)plan.m_blocks);
-  cuda::launch_kernel(v.kernel, *v.sm90_code, grid, dim3(128), plan.smem_bytes, stream, 1, p, maps);
+  const unsigned pairs = (unsigned)(p.f.batch * p.f.heads_kv), splits = (unsigned)p.num_splits;
+  if (p.cluster_merge) {  // one cluster of the splits an (entry, kv head): x = pair x splits + split
+    cuda::launch_kernel(v.kernel, *v.sm90_code, dim3(pairs * splits, 1, (unsigned)plan.m_blocks), dim3(128),
+                        plan.smem_bytes, stream, splits, p, maps);
+    return;
+  }
+  cuda::launch_kernel(v.kernel, *v.sm90_code, dim3(pairs, splits, (unsigned)plan.m_blocks), dim3(128),
+                      plan.smem_bytes, stream, 1, p, maps);
   if (p.num_splits > 1) {
     const unsigned blocks = (unsigned)((p.f.batch * p.f.heads_q * p.f.seqlen_q + 3) / 4);
     static cuda::PdlSupport pdl_bf16, pdl_fp16;

@@ -51,6 +51,16 @@ __device__ __forceinline__ uint32_t map_to_rank(uint32_t addr, uint32_t rank) {
   return remote;
 }
 
+// The generic address of the object at generic address `ptr` (in this block's shared memory) in the block of rank
+// `rank` ("mapa" without a state space: generic in, generic out). Plain loads through it read that block's shared
+// memory (distributed shared memory), so the compiler schedules them like any other load; order them after a
+// cluster_wait() that follows the owner's writes.
+template <typename T>
+__device__ __forceinline__ const T* map_generic_to_rank(const T* ptr, uint32_t rank) {
+  uint64_t remote;
+  asm volatile("mapa.u64 %0, %1, %2;\n" : "=l"(remote) : "l"(reinterpret_cast<uint64_t>(ptr)), "r"(rank));
+  return reinterpret_cast<const T*>(remote);
+}
 // Arrives (release, cluster scope) on the mbarrier at shared::cluster address `remote_bar`, in another block.
 __device__ __forceinline__ void mbarrier_arrive_remote(uint32_t remote_bar) {
   asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];\n" ::"r"(remote_bar) : "memory");
