@@ -10,6 +10,15 @@ namespace {
 
 const char* env(const char* name) { return std::getenv(name); }
 
+// A 0/1 switch: -1 when unset, else its value; anything else is refused, naming the variable.
+int forced_bit(const char* name) {
+  const char* v = env(name);
+  if (v == nullptr) return -1;
+  TORCH_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0, "flashcore: ", name, " must be 0 or 1, got '", v,
+              "'");
+  return v[0] - '0';
+}
+
 }  // namespace
 
 std::string forced_fwd_family() {
@@ -100,21 +109,9 @@ bool bwd_dq_overlap_enabled() {
   return v == nullptr || std::strcmp(v, "0") != 0;
 }
 
-int decode_tma_forced() {
-  const char* v = env("FLASHCORE_DECODE_TMA");
-  if (v == nullptr) return -1;
-  TORCH_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0,
-              "flashcore: FLASHCORE_DECODE_TMA must be 0 or 1, got '", v, "'");
-  return v[0] - '0';
-}
+int decode_tma_forced() { return forced_bit("FLASHCORE_DECODE_TMA"); }
 
-int decode_cluster_forced() {
-  const char* v = env("FLASHCORE_DECODE_CLUSTER");
-  if (v == nullptr) return -1;
-  TORCH_CHECK(std::strcmp(v, "0") == 0 || std::strcmp(v, "1") == 0,
-              "flashcore: FLASHCORE_DECODE_CLUSTER must be 0 or 1, got '", v, "'");
-  return v[0] - '0';
-}
+int decode_cluster_forced() { return forced_bit("FLASHCORE_DECODE_CLUSTER"); }
 
 int decode_blocks_per_sm_forced() {
   const char* v = env("FLASHCORE_DECODE_BLOCKS_PER_SM");

@@ -104,10 +104,36 @@ inline void launch_kernel(void (*kernel)(Params...), PdlSupport& pdl, dim3 grid,
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// How many clusters of `cluster_x` blocks of `kernel` can be resident on the current device at once
-// (cudaOccupancyMaxActiveClusters: clusters live within one GPC, so this is not simply SMs / cluster_x). Queried
-// once per device and cluster size, kept in the launcher's static ClusterOccupancy (devices 0..15; others are
-// queried per call). The kernel's dynamic shared memory limit must already be set.
+// How many clusters of `cluster_x` blocks of `kernel`, each block with `smem_bytes` of dynamic shared memory, can be
+// resident on the current device at once (cudaOccupancyMaxActiveClusters: clusters live within one GPC, so this is
+// not simply SMs / cluster_x). A device or configuration that cannot launch such clusters reports an error there:
+// then none is resident, and the error is cleared so that it does not surface at a later check. Not cached: the
+// callers keep their answers (max_active_clusters below; the KV-cache kernel's per residency). The kernel's dynamic
+// shared memory limit must already be set.
+template <typename... Params>
+inline int query_max_active_clusters(void (*kernel)(Params...), dim3 block, int smem_bytes, unsigned cluster_x) {
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster_x;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(cluster_x);
+  config.blockDim = block;
+  config.dynamicSmemBytes = (size_t)smem_bytes;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();
+    clusters = 0;
+  }
+  return clusters;
+}
+
+// query_max_active_clusters for a launcher whose kernel always takes the same shared memory: queried once per
+// device and cluster size, kept in the launcher's static ClusterOccupancy (devices 0..15; others are queried per
+// call).
 struct ClusterOccupancy {
   static constexpr int kMaxCluster = 8;
   std::atomic<int> clusters[16][kMaxCluster + 1] = {};  // 0: not queried yet
@@ -123,24 +149,7 @@ inline int max_active_clusters(void (*kernel)(Params...), dim3 block, int smem_b
     const int known = cache.clusters[device][cluster_x].load(std::memory_order_relaxed);
     if (known > 0) return known - 1;
   }
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = cluster_x;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(cluster_x);
-  config.blockDim = block;
-  config.dynamicSmemBytes = (size_t)smem_bytes;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  // A device or configuration that cannot launch such clusters reports an error here: then no cluster is
-  // resident (the caller does not split), and the error is cleared so that it does not surface at a later check.
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-    (void)cudaGetLastError();
-    clusters = 0;
-  }
+  const int clusters = query_max_active_clusters(kernel, block, smem_bytes, cluster_x);
   if (device < 16) cache.clusters[device][cluster_x].store(clusters + 1, std::memory_order_relaxed);
   return clusters;
 }

@@ -188,22 +188,7 @@ int clusters_resident(const Variant& v, int splits, int smem, int per_sm) {
   const bool cached = device < 16 && per_sm >= 1 && per_sm <= kMaxClusterResidency;
   if (cached)
     if (const int n = v.clusters[device][splits][per_sm].load(std::memory_order_relaxed); n > 0) return n - 1;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = (unsigned)splits;
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((unsigned)splits);
-  config.blockDim = dim3(128);
-  config.dynamicSmemBytes = (size_t)smem;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, v.kernel, &config) != cudaSuccess) {
-    (void)cudaGetLastError();  // a configuration that cannot launch: no cluster merge, nothing left pending
-    clusters = 0;
-  }
+  const int clusters = cuda::query_max_active_clusters(v.kernel, dim3(128), smem, (unsigned)splits);
   if (cached) v.clusters[device][splits][per_sm].store(clusters + 1, std::memory_order_relaxed);
   return clusters;
 }
