@@ -504,7 +504,9 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_decode_step(const at::Tensor& quer
 // heads, hd128: 8 x 8k 182 against 69 us, 8 x 1024 30.8 against 15.7; 32 / 32 heads 263 against 250). From
 // kDenseDecodeMinKeys keys, and from kDenseDecodeOneWaveMinKeys where the dense grid (a block a query head) fits one
 // wave: there the dense kernels' compact one-warpgroup block is quicker (4 x 576: 8.5 against 11.4 us, 4 x 1024
-// 11.0 against 12.1; 4 x 2048 19.6 against 15.3). The batch rows are the cache's entries, every one full
+// 11.0 against 12.1; 4 x 2048 19.6 against 15.3; measured before the cluster merge of the splits, which took the
+// KV-cache op itself at 4 x 576 from 11.1 to 9.3-9.6, still above the compact block with this route's fill). The
+// batch rows are the cache's entries, every one full
 // (cache_seqlens at INT_MAX, which kv_seq clamps to the keys; its fill costs ~1.5 us a call, the gap to the KV-cache
 // op on the same cache); the mask is the op's own, either causal alignment. Writes out and lse as the dense kernels
 // would (the same layouts); false, nothing done, where a kernel family is forced or the grid would not fit.
