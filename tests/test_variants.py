@@ -336,6 +336,26 @@ def test_long_sliding_window_cuda(request, family, window):
 
 @pytest.mark.gpu
 @requires_cuda
+@pytest.mark.skipif("sm90" not in gpu_families(), reason="the persistent grid is the Hopper forward's")
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
+@pytest.mark.parametrize("window", [(200, 0), (150, 70)])
+def test_window_persistent_grid_cuda(request, monkeypatch, head_dim, window):
+    """Narrow windows take the Hopper forward's persistent grid (fwd_sm90_launch.cuh: take_persistent_grid): 2 x 16
+    heads of 1500 queries on 1700 keys are 256-384 tiles for the GPU's SMs, 2-3 a block. Forced on and off
+    (FLASHCORE_FWD_PERSISTENT), both match the reference and each other bit for bit."""
+    opts = {"window": window, "causal": window[1] == 0}
+    q, k, v, kw, ref = make_case(request, "cuda", torch.bfloat16, 2, 16, 4, 1500, 1700, head_dim, opts, layout="bshd")
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", "sm90")
+    monkeypatch.setenv("FLASHCORE_FWD_PERSISTENT", "1")
+    out, lse = run_forward(q, k, v, kw, ref)
+    assert assert_ran("fwd", "sm90").split()[2] != "wg1", "the persistent grid is for multi-warpgroup blocks"
+    monkeypatch.setenv("FLASHCORE_FWD_PERSISTENT", "0")
+    out_tiles, lse_tiles = run_forward(q, k, v, kw, ref)
+    assert torch.equal(out, out_tiles) and torch.equal(lse, lse_tiles)
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("variant", ["softcap5", "alibi_head", "all_noncausal"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 def test_long_keys_score_mod_cuda(request, family, variant, dtype):

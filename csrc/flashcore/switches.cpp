@@ -113,6 +113,8 @@ int decode_tma_forced() { return forced_bit("FLASHCORE_DECODE_TMA"); }
 
 int decode_cluster_forced() { return forced_bit("FLASHCORE_DECODE_CLUSTER"); }
 
+int fwd_persistent_forced() { return forced_bit("FLASHCORE_FWD_PERSISTENT"); }
+
 int decode_blocks_per_sm_forced() {
   const char* v = env("FLASHCORE_DECODE_BLOCKS_PER_SM");
   if (v == nullptr) return 0;

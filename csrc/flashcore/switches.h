@@ -6,6 +6,9 @@
 //   FLASHCORE_FWD_WARPGROUPS=n                  consumer warpgroups a block in the sm90 forward's plain kernels (1 to
 //                                               the head dim's widest; A/B of pick_consumer_warpgroups)
 //   FLASHCORE_PDL=0                             no programmatic dependent launch
+//   FLASHCORE_FWD_PERSISTENT=0|1                the sm90 forward's plain multi-warpgroup kernels on a persistent
+//                                               grid (1) or one block a tile (0) (default: fwd_sm90_launch.cuh's
+//                                               rule; A/B)
 //   FLASHCORE_CPU_ISA=portable                  the CPU kernels' baseline code instead of AVX2 (read once a process)
 //   FLASHCORE_POISON=1                          fill outputs and workspaces with NaN before the kernels run, so a
 //                                               kernel that leaves an element unwritten fails the tests (on in the
@@ -68,6 +71,7 @@ bool bwd_dq_overlap_enabled();
 int decode_tma_forced();      // -1 when not forced, else 0 or 1; throws on a malformed value
 int decode_stages_forced();   // 0 when not forced, else 2 or 3; throws on a malformed value
 int decode_cluster_forced();  // -1 when not forced, else 0 or 1; throws on a malformed value
+int fwd_persistent_forced();  // -1 when not forced, else 0 or 1; throws on a malformed value
 int decode_blocks_per_sm_forced();  // 0 when not forced, else >= 1; throws on a malformed value
 
 }  // namespace flashcore

@@ -32,14 +32,40 @@ namespace flashcore::sm90 {
 // switches.h), so benchmarks and tests can compare.
 constexpr double kSplitFixedTiles = 1.0, kSplitPerRankTiles = 0.5, kSplitFullGpuTiles = 1.5;
 
+// Keys a query tile of block_m rows can see through the mask's band (its width plus the tile's rows), or
+// INT64_MAX where the band is unbounded on either side.
+inline int64_t band_keys(const FwdParams& p, int block_m) {
+  const Band& band = p.band;
+  if (band.lo <= -kUnboundedDiagonal || band.hi >= kUnboundedDiagonal) return INT64_MAX;
+  return band.hi - band.lo + block_m;
+}
+
 // Key tiles of block_n keys in a tile's longest walk (at most): the keys any query sees, and no more than one
 // query tile of block_m rows can see through the mask's band.
 inline int64_t longest_walk_tiles(const FwdParams& p, int block_m, int block_n) {
-  const Band& band = p.band;
-  int64_t keys = band.keys_of_queries(0, p.seqlen_q).size();
-  const int64_t band_keys = band.hi - band.lo + block_m;
-  if (band_keys < keys) keys = band_keys;
+  int64_t keys = p.band.keys_of_queries(0, p.seqlen_q).size();
+  const int64_t band = band_keys(p, block_m);
+  if (band < keys) keys = band;
   return (keys + block_n - 1) / block_n;
+}
+
+// Whether the plain multi-warpgroup kernels take a persistent grid (one block an SM walking tiles gridDim.x apart,
+// so that the next tile's Q/K/V loads overlap this tile's epilogue; docs/PERFORMANCE.md, ablation). It pays where a
+// tile's key walk is short, so that its prologue and epilogue are a large share (16x16x2048x128: +8-15 %; a
+// window (1024, 0) at 2x16x16384x128 bf16, 9 tiles a walk: 427 -> 485 TFLOP/s, H200), and only where tiles cost
+// alike, since a static split of unequal tiles is unbalanced (4x16x8192x256 causal: -20 %; causal 2x16x16384x128:
+// -13 %), while the hardware gives the next tile, heaviest first, to the SM that frees. So: no mask, or a
+// window of bounded width on both sides that at least half of the keys lie outside (its tiles differ only at the
+// sequence's start), and a longest walk whose K/V take at most 1 MiB (8k head dim 128 unmasked: no gain; a
+// window (4096, 0) at 16k: -2 %). FLASHCORE_FWD_PERSISTENT=0/1 forces it (switches.h).
+inline bool take_persistent_grid(const FwdParams& p, int block_m) {
+  if (const int forced = fwd_persistent_forced(); forced >= 0) return forced == 1;
+  int64_t walk_keys = p.seqlen_k;
+  if (p.mask.banded()) {
+    walk_keys = band_keys(p, block_m);
+    if (walk_keys > p.seqlen_k / 2) return false;
+  }
+  return walk_keys * p.head_dim * 4 <= (int64_t(1) << 20);
 }
 
 template <typename Traits, typename MaxClusters>
@@ -93,17 +119,7 @@ void launch_fwd_grid(const FwdParams& p, int num_sms, cudaStream_t stream, int s
 
   const int num_m_blocks = (int)((p.seqlen_q + Traits::kBlockM - 1) / Traits::kBlockM);
   const int64_t num_tiles = (int64_t)num_m_blocks * p.batch * p.heads_q;  // host checked <= INT32_MAX
-  // Tile scheduling (docs/PERFORMANCE.md, ablation: persistent grid). A persistent grid (one block per SM, the shared
-  // memory allows no more) walks tiles gridDim.x apart, so the next tile's K/V loads overlap this tile's epilogue:
-  // that pays where a tile's key loop is short and its prologue/epilogue a large share (16x16x2048x128: +8-15 %).
-  // It is not used (one block per tile, handed out by the hardware in fwd_block's order) when
-  //  - a causal (banded) mask makes tile costs differ by up to Sk/kBlockN times: a static split is unbalanced
-  //    (4x16x8192x256 causal: -20 %), while the hardware gives the next tile, heaviest first, to the SM that frees;
-  //  - K/V of a head exceed 1 MiB: the prologue/epilogue are a small share of a long tile (8k hdim 128: no gain),
-  //    and blocks that drift apart across heads may lose L2 reuse of K/V (4x16x8192x256: -8 %, measured in a
-  //    build where the loop also made head dim 256 spill; that head dim is now built without it).
-  const bool persistent =
-      Traits::kPersistent && !p.mask.banded() && p.seqlen_k * p.head_dim * 4 <= (int64_t(1) << 20);
+  const bool persistent = Traits::kPersistent && take_persistent_grid(p, Traits::kBlockM);
   const int64_t grid = (persistent && num_tiles > num_sms) ? num_sms : num_tiles * splits;
   record_kernel(Pass::kFwd, KernelTrace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, splits, Traits::kCompact,
                                         Traits::kScoreMod});
