@@ -1,0 +1,195 @@
+"""Randomly drawn calls through flash-attn's interface (flashcore.flash_attn_interface), dense and variable-length,
+forward and backward, against the float64 reference under the suite's tolerance rule (conftest.check_close).
+
+Each case draws its head counts and GQA group, lengths (Sq != Sk, single tokens and, in varlen batches, empty
+sequences), head dim (odd ones included, which the interface pads as flash-attn does), causal mask, window,
+softcap, ALiBi, dtype, strides (BSHD slices of wider tensors), the deterministic flag and, on the GPU, the kernel
+family, from a generator seeded by the test's name and case index: a failure names a case that reproduces. The
+combinations are the point: the parametrized suites test each feature on chosen shapes, these tests the features
+together on shapes nobody chose. The CPU draws a few small cases (CI); the GPU many."""
+
+import random
+import zlib
+
+import pytest
+import torch
+
+import flashcore
+from conftest import (check_close, check_gradients, check_lse, cuda_skip_reason, gpu_families, lowp_attention,
+                      reference_attention)
+
+requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
+
+HEAD_DIMS = [32, 33, 40, 64, 72, 80, 96, 100, 128, 160, 192, 256]
+
+
+def seed_of(request, index):
+    """A seed stable across processes (str hashes are salted per process)."""
+    return zlib.crc32(f"{request.node.originalname}-{index}".encode())
+
+
+def draw_case(rng, device, max_len):
+    """One configuration: a dict of the call's options and shapes."""
+    hkv = rng.choice([1, 2, 3])
+    group = rng.choice([1, 1, 2, 4])
+    causal = rng.random() < 0.5
+    window = (-1, -1)
+    if rng.random() < 0.35:
+        left = rng.choice([-1, rng.randint(0, max_len // 2)])
+        right = 0 if causal else rng.choice([-1, rng.randint(0, max_len // 3)])
+        window = (left, right)
+    dtypes = [torch.float16, torch.bfloat16] + ([torch.float32] if device == "cpu" else [])
+    return {
+        "hq": hkv * group, "hkv": hkv, "d": rng.choice(HEAD_DIMS), "causal": causal, "window": window,
+        "softcap": rng.choice([0.0, 0.0, round(rng.uniform(5.0, 50.0), 2)]),
+        "alibi": rng.choice([None, None, None, "head", "batch"]),
+        "scale": rng.choice([None, None, round(rng.uniform(0.02, 0.3), 4)]),
+        "dtype": rng.choice(dtypes), "strided": rng.random() < 0.4, "deterministic": rng.random() < 0.25,
+        "family": rng.choice(gpu_families() + ["default", "default"]) if device == "cuda" else "default",
+    }
+
+
+def make_tensor(shape, case, gen, device):
+    """A tensor of `shape` (leading dims, heads, head dim), contiguous or a slice of a wider one."""
+    *lead, h, d = shape
+    if case["strided"]:
+        t = torch.randn(*lead, h + 1, d + 8, generator=gen, device=device)[..., 1:, 3:d + 3]
+    else:
+        t = torch.randn(*shape, generator=gen, device=device)
+    return t.to(case["dtype"])
+
+
+def alibi_slopes(case, batch, gen, device):
+    if case["alibi"] is None:
+        return None
+    shape = (case["hq"],) if case["alibi"] == "head" else (batch, case["hq"])
+    return torch.rand(shape, generator=gen, device=device) * 0.3
+
+
+def reference_kwargs(case, sq, sk, slopes):
+    """conftest.reference_attention's options for one sequence (flash-attn aligns masks bottom-right)."""
+    return {"causal": case["causal"], "scale": case["scale"], "causal_offset": sk - sq, "window": case["window"],
+            "softcap": case["softcap"], "alibi": slopes}
+
+
+def use_family(monkeypatch, case):
+    if case["family"] != "default":
+        monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", case["family"])
+        monkeypatch.setenv("FLASHCORE_FORCE_BWD", case["family"])
+
+
+def attention_of(case, q, k, v, slopes, sq_sk_list, dout):
+    """float64 and low-precision (PyTorch's own) outputs and gradients of each sequence, concatenated on the token
+    dim: q/k/v/dout packed (tokens, heads, dim), slopes (Hq,) or (B, Hq) or None."""
+    results = []
+    for prec in ("fp64", "lowp"):
+        leaves = [(x.detach().double() if prec == "fp64" else x.detach()).requires_grad_() for x in (q, k, v)]
+        outs, lses, q0, k0 = [], [], 0, 0
+        for b, (sq, sk) in enumerate(sq_sk_list):
+            qs, ks, vs = (t[a:a + n].transpose(0, 1)[None] for t, a, n in
+                          zip(leaves, (q0, k0, k0), (sq, sk, sk)))
+            sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
+            kw = reference_kwargs(case, sq, sk, sl)
+            if prec == "fp64":
+                o, lse = reference_attention(qs, ks, vs, **kw)
+                lses.append(lse[0])
+            else:
+                o = lowp_attention(qs, ks, vs, **kw)
+            outs.append(o[0].transpose(0, 1))
+            q0, k0 = q0 + sq, k0 + sk
+        out = torch.cat(outs)
+        grads = torch.autograd.grad(out, leaves, dout.to(out.dtype), allow_unused=True)
+        grads = [torch.zeros_like(x) if g is None else g.nan_to_num(0.0) for g, x in zip(grads, leaves)]
+        results.append((out.detach(), grads, torch.cat(lses, dim=-1) if lses else None))
+    return results
+
+
+def check_call(case, out, lse, grads, q, k, v, slopes, lens, dout):
+    (out64, grads64, lse64), (out_lowp, grads_lowp, _) = attention_of(case, q, k, v, slopes, lens, dout)
+    check_close("out", out, out64, out_lowp)
+    check_gradients(grads, grads64, grads_lowp)
+    q0, k0 = 0, 0
+    for b, (sq, sk) in enumerate(lens):
+        qs, ks = q[q0:q0 + sq].transpose(0, 1)[None], k[k0:k0 + sk].transpose(0, 1)[None]
+        sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
+        check_lse(lse[:, q0:q0 + sq][None], qs, ks, **reference_kwargs(case, sq, sk, sl))
+        q0, k0 = q0 + sq, k0 + sk
+
+
+def run_dense(seed, device, max_len, monkeypatch):
+    rng = random.Random(seed)
+    case = draw_case(rng, device, max_len)
+    B = rng.randint(1, 3)
+    sq = rng.choice([1, rng.randint(1, max_len)])
+    sk = sq if rng.random() < 0.4 else rng.randint(1, max_len)
+    gen = torch.Generator(device=device).manual_seed(seed)
+    q = make_tensor((B, sq, case["hq"], case["d"]), case, gen, device).requires_grad_()
+    k = make_tensor((B, sk, case["hkv"], case["d"]), case, gen, device).requires_grad_()
+    v = make_tensor((B, sk, case["hkv"], case["d"]), case, gen, device).requires_grad_()
+    slopes = alibi_slopes(case, B, gen, device)
+    dout = torch.randn(q.shape, generator=gen, device=device).to(case["dtype"])
+    use_family(monkeypatch, case)
+    out, lse, _ = flashcore.flash_attn_func(q, k, v, 0.0, case["scale"], case["causal"], case["window"],
+                                            case["softcap"], slopes, case["deterministic"], True)
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (B, case["hq"], sq)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    # as one varlen batch of B equal sequences: (tokens, heads, dim), lse (Hq, tokens)
+    flat = [t.detach().flatten(0, 1) for t in (q, k, v, out, dout)] + [g.flatten(0, 1) for g in grads]
+    lse_flat = lse.transpose(0, 1).flatten(1)
+    check_call(case, flat[3], lse_flat, flat[5:], *flat[:3], slopes, [(sq, sk)] * B, flat[4])
+    return case
+
+
+def run_varlen(seed, device, max_len, monkeypatch):
+    rng = random.Random(seed)
+    case = draw_case(rng, device, max_len)
+    B = rng.randint(1, 5)
+    lens = []
+    for _ in range(B):
+        sq = rng.choice([0, 1, rng.randint(1, max_len), rng.randint(1, max_len)])
+        sk = sq if rng.random() < 0.4 else rng.choice([0, rng.randint(1, max_len)])
+        lens.append((sq, sk))
+    if all(sq == 0 for sq, _ in lens):
+        lens[0] = (1, lens[0][1])
+    gen = torch.Generator(device=device).manual_seed(seed)
+    tq, tk = sum(s for s, _ in lens), sum(s for _, s in lens)
+    q = make_tensor((tq, case["hq"], case["d"]), case, gen, device).requires_grad_()
+    k = make_tensor((tk, case["hkv"], case["d"]), case, gen, device).requires_grad_()
+    v = make_tensor((tk, case["hkv"], case["d"]), case, gen, device).requires_grad_()
+    slopes = alibi_slopes(case, B, gen, device)
+    dout = torch.randn(q.shape, generator=gen, device=device).to(case["dtype"])
+    cu = [torch.tensor([0] + [sum(x[i] for x in lens[:b + 1]) for b in range(B)], dtype=torch.int32, device=device)
+          for i in (0, 1)]
+    max_q, max_k = max(max(s for s, _ in lens), 1), max(max(s for _, s in lens), 1)
+    use_family(monkeypatch, case)
+    out, lse, _ = flashcore.flash_attn_varlen_func(q, k, v, cu[0], cu[1], max_q, max_k, 0.0, case["scale"],
+                                                   case["causal"], case["window"], case["softcap"], slopes,
+                                                   case["deterministic"], True)
+    assert out.shape == q.shape and lse.shape == (case["hq"], tq)
+    grads = torch.autograd.grad(out, (q, k, v), dout)
+    check_call(case, out.detach(), lse, grads, q.detach(), k.detach(), v.detach(), slopes, lens, dout)
+    return case
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_random_dense_cpu(request, monkeypatch, index):
+    run_dense(seed_of(request, index), "cpu", 90, monkeypatch)
+
+
+@pytest.mark.parametrize("index", range(3))
+def test_random_varlen_cpu(request, monkeypatch, index):
+    run_varlen(seed_of(request, index), "cpu", 70, monkeypatch)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("index", range(60))
+def test_random_dense_cuda(request, monkeypatch, index):
+    run_dense(seed_of(request, index), "cuda", 700, monkeypatch)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("index", range(40))
+def test_random_varlen_cuda(request, monkeypatch, index):
+    run_varlen(seed_of(request, index), "cuda", 500, monkeypatch)
