@@ -1,10 +1,13 @@
-"""Randomly drawn calls through flash-attn's interface (flashcore.flash_attn_interface), dense and variable-length,
-forward and backward, against the float64 reference under the suite's tolerance rule (conftest.check_close).
+"""Randomly drawn calls through flash-attn's interface (flashcore.flash_attn_interface), dense and variable-length
+(forward and backward) and flash_attn_with_kvcache, against the float64 reference under the suite's tolerance rule
+(conftest.check_close).
 
 Each case draws its head counts and GQA group, lengths (Sq != Sk, single tokens and, in varlen batches, empty
 sequences), head dim (odd ones included, which the interface pads as flash-attn does), causal mask, window,
 softcap, ALiBi, dtype, strides (BSHD slices of wider tensors), the deterministic flag and, on the GPU, the kernel
-family, from a generator seeded by the test's name and case index: a failure names a case that reproduces. The
+family (KV cache: dense or paged caches with pages of 1-256, lengths from empty to past the capacity, appended
+tokens, rotary, left pads, cache rows, sinks, forced splits, through test_kvcache.py's independent reference),
+from a generator seeded by the test's name and case index: a failure names a case that reproduces. The
 combinations are the point: the parametrized suites test each feature on chosen shapes, these tests the features
 together on shapes nobody chose. The CPU draws a few small cases (CI); the GPU many."""
 
@@ -17,6 +20,8 @@ import torch
 import flashcore
 from conftest import (check_close, check_gradients, check_lse, cuda_skip_reason, gpu_families, lowp_attention,
                       reference_attention)
+from test_kvcache import make_case as kvcache_case
+from test_kvcache import run_case as run_kvcache_case
 
 requires_cuda = pytest.mark.skipif(cuda_skip_reason() is not None, reason=cuda_skip_reason() or "")
 
@@ -171,6 +176,43 @@ def run_varlen(seed, device, max_len, monkeypatch):
     return case
 
 
+def draw_kvcache(rng, device, max_cap):
+    """make_case's keyword arguments of one flash_attn_with_kvcache call."""
+    hkv = rng.choice([1, 2, 3])
+    B = rng.randint(1, 5)
+    page = rng.choice([None, None, 1, 16, 48, 64, 256])
+    sq = rng.choice([1, 1, 2, 5, rng.randint(1, 70)])
+    sn = rng.choice([0, sq, rng.randint(0, sq)])
+    cap = rng.randint(sq if sn else 1, max(sq, max_cap))  # with new keys, flash-attn wants seqlen_q <= capacity
+    pages = -(-cap // page) if page else 1
+    real_cap = pages * page if page else cap
+    lens = [rng.choice([0, rng.randint(0, real_cap), max(real_cap - sn, 0), real_cap]) for _ in range(B)]
+    causal = rng.random() < 0.6
+    window = (-1, -1)
+    if rng.random() < 0.3:
+        window = (rng.choice([-1, rng.randint(0, real_cap)]), 0 if causal else rng.choice([-1, rng.randint(0, 50)]))
+    kw = dict(B=B, Sq=sq, Sn=sn, Hq=hkv * rng.choice([1, 2, 4, 8]), Hkv=hkv,
+              D=rng.choice([32, 40, 64, 100, 128] + ([256] if device == "cuda" else [])), capacity=cap, lens=lens,
+              page_size=page, causal=causal, window=window, softcap=rng.choice([0.0, 0.0, 12.5]),
+              sinks=rng.random() < 0.2, alibi=rng.choice([None, None, None, "head", "batch"]),
+              num_splits=rng.choice([0, 0, 1, rng.randint(2, 8)]))
+    if rng.random() < 0.3 and sn > 0:
+        kw["rotary"] = rng.choice(["neox", "interleaved"])
+        kw["rotary_dim"] = rng.choice([None, 16])
+    if rng.random() < 0.25:
+        kw["leftpad"] = [rng.randint(0, x) if x > 0 else 0 for x in lens]
+    if page is None and rng.random() < 0.3:
+        kw["batch_idx"] = True
+    return kw
+
+
+def run_kvcache(request, seed, device, dtype, max_cap):
+    rng = random.Random(seed)
+    inputs, kw = kvcache_case(request, device, rng.choice([dtype] if dtype else [torch.float16, torch.bfloat16]),
+                              **draw_kvcache(rng, device, max_cap))
+    run_kvcache_case(inputs, kw)
+
+
 @pytest.mark.parametrize("index", range(4))
 def test_random_dense_cpu(request, monkeypatch, index):
     run_dense(seed_of(request, index), "cpu", 90, monkeypatch)
@@ -179,6 +221,18 @@ def test_random_dense_cpu(request, monkeypatch, index):
 @pytest.mark.parametrize("index", range(3))
 def test_random_varlen_cpu(request, monkeypatch, index):
     run_varlen(seed_of(request, index), "cpu", 70, monkeypatch)
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_random_kvcache_cpu(request, index):
+    run_kvcache(request, seed_of(request, index), "cpu", torch.float32, 60)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("index", range(60))
+def test_random_kvcache_cuda(request, index):
+    run_kvcache(request, seed_of(request, index), "cuda", None, 1200)
 
 
 @pytest.mark.gpu

@@ -574,7 +574,7 @@ DecodeParams make_decode_params(const at::Tensor& query, const at::Tensor& key_c
                         out.transpose(1, 2), lse, opts);
   p.f.batch = query.size(0);
   KvCacheParams& kv = p.kv;
-  kv.cache_seqlens = a.cache_seqlens.data_ptr<int32_t>();
+  kv.cache_seqlens = a.cache_seqlens.defined() ? a.cache_seqlens.data_ptr<int32_t>() : nullptr;
   kv.cache_batch_idx = a.cache_batch_idx.defined() ? a.cache_batch_idx.data_ptr<int32_t>() : nullptr;
   kv.cache_leftpad = a.cache_leftpad.defined() ? a.cache_leftpad.data_ptr<int32_t>() : nullptr;
   kv.cache_rows = key_cache.size(0);

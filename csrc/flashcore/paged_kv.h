@@ -28,7 +28,7 @@
 namespace flashcore {
 
 struct KvCacheParams {
-  const int32_t* cache_seqlens = nullptr;    // (batch,)
+  const int32_t* cache_seqlens = nullptr;    // (batch,); nullptr: every entry holds `capacity` keys
   const int32_t* cache_batch_idx = nullptr;  // (batch,) or null
   const int32_t* cache_leftpad = nullptr;    // (batch,) or null
   const int32_t* block_table = nullptr;      // (batch, max_pages) with row stride block_table_stride, or null
@@ -71,7 +71,8 @@ struct KvSeq {
 FLASHCORE_HOST_DEVICE KvSeq kv_seq(const KvCacheParams& kv, int64_t b) {
   KvSeq s;
   const int64_t start = kv.cache_leftpad ? kv.cache_leftpad[b] : 0;
-  const int64_t end = clamp64(kv.cache_seqlens[b] + (kv.seqlens_from_leftpad ? start : 0), 0, kv.capacity);
+  const int64_t len = kv.cache_seqlens ? kv.cache_seqlens[b] : kv.capacity;  // none: every entry full
+  const int64_t end = clamp64(len + (kv.seqlens_from_leftpad ? start : 0), 0, kv.capacity);
   s.first_key = clamp64(start, 0, end);
   s.seqlen_k = end - s.first_key;
   s.cache_row = kv.paged() ? 0 : clamp64(kv.cache_batch_idx ? kv.cache_batch_idx[b] : b, 0, kv.cache_rows - 1);

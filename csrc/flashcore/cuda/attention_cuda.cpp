@@ -505,11 +505,10 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_decode_step(const at::Tensor& quer
 // kDenseDecodeMinKeys keys, and from kDenseDecodeOneWaveMinKeys where the dense grid (a block a query head) fits one
 // wave: there the dense kernels' compact one-warpgroup block is quicker (4 x 576: 8.5 against 11.4 us, 4 x 1024
 // 11.0 against 12.1; 4 x 2048 19.6 against 15.3; measured before the cluster merge of the splits, which took the
-// KV-cache op itself at 4 x 576 from 11.1 to 9.3-9.6, still above the compact block with this route's fill). The
-// batch rows are the cache's entries, every one full
-// (cache_seqlens at INT_MAX, which kv_seq clamps to the keys; its fill costs ~1.5 us a call, the gap to the KV-cache
-// op on the same cache); the mask is the op's own, either causal alignment. Writes out and lse as the dense kernels
-// would (the same layouts); false, nothing done, where a kernel family is forced or the grid would not fit.
+// KV-cache op itself at 4 x 576 from 11.1 to 9.3-9.6, still above the compact block). The batch rows are the
+// cache's entries, every one full (no cache_seqlens: kv_seq takes every entry's keys, so no lengths are filled a
+// call); the mask is the op's own, either causal alignment. Writes out and lse as the dense kernels would (the same
+// layouts); false, nothing done, where a kernel family is forced or the grid would not fit.
 constexpr int64_t kDenseDecodeMinKeys = 1024, kDenseDecodeOneWaveMinKeys = 2048;
 
 bool dense_decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -521,8 +520,7 @@ bool dense_decode_step(const at::Tensor& query, const at::Tensor& key, const at:
     return false;
   // One wave of the dense kernels' blocks over short caches: their compact block is quicker.
   if (Sk < kDenseDecodeOneWaveMinKeys && B * query.size(1) <= prop.multiProcessorCount) return false;
-  KvCacheArgs args;  // every entry full: lengths past the keys, which kv_seq clamps to them
-  args.cache_seqlens = at::full({B}, kIntMax, query.options().dtype(at::kInt));
+  const KvCacheArgs args;  // every entry full (no cache_seqlens)
   // (batch, seq, heads, dim) views, as the KV-cache op takes its query and caches
   DecodeParams p = make_decode_params(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
                                       out.transpose(1, 2), lse, args, opts);
