@@ -335,8 +335,8 @@ def test_long_sliding_window_cuda(request, family, window):
 
 
 @pytest.mark.gpu
-@requires_cuda
 @pytest.mark.skipif("sm90" not in gpu_families(), reason="the persistent grid is the Hopper forward's")
+@requires_cuda  # evaluated first (the mark nearest the function): "no CUDA device" on CPU-only machines
 @pytest.mark.parametrize("head_dim", [64, 96, 128])
 @pytest.mark.parametrize("window", [(200, 0), (150, 70)])
 def test_window_persistent_grid_cuda(request, monkeypatch, head_dim, window):
