@@ -79,7 +79,7 @@ def run_backward(q, k, v, kw, ref, dtype=None):
         kw = dict(kw, sinks=sinks)
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     g = torch.Generator(device=q.device).manual_seed(7)
-    dout = torch.randn(q.shape, generator=g, device=q.device).to(q.dtype)
+    dout = torch.randn(q.shape[:-1] + v.shape[-1:], generator=g, device=q.device).to(q.dtype)  # out's shape
     inputs = (q, k, v) + ((sinks,) if sinks is not None else ())
     out = flashcore.attention(q, k, v, enable_gqa=q.size(1) != k.size(1), **kw)
     got = torch.autograd.grad(out, inputs, dout)
