@@ -22,7 +22,7 @@ import torch
 
 import flashcore
 from conftest import (check_close, check_gradients, check_lse, cuda_skip_reason, gpu_families, lowp_attention,
-                      reference_attention)
+                      randn, reference_attention)
 from test_kvcache import make_case as kvcache_case
 from test_kvcache import run_case as run_kvcache_case
 from test_variants import run_forward as run_variant_forward
@@ -278,11 +278,7 @@ def run_sdpa_style(seed, device, max_len, monkeypatch):
     gen = torch.Generator(device=device).manual_seed(seed)
 
     def tensor(h, s, dim):
-        if layout == "bshd":
-            return torch.randn(B, s, h, dim, generator=gen, device=device).to(case["dtype"]).transpose(1, 2)
-        if layout == "padded":
-            return torch.randn(B, h, s + 2, dim + 8, generator=gen, device=device).to(case["dtype"])[:, :, 1:s + 1, :dim]
-        return torch.randn(B, h, s, dim, generator=gen, device=device).to(case["dtype"])
+        return randn((B, h, s, dim), case["dtype"], gen, device, layout=layout)
 
     q, k, v = tensor(case["hq"], sq, d), tensor(case["hkv"], sk, d), tensor(case["hkv"], sk, dv)
     kw = {"is_causal": case["causal"], "scale": case["scale"], "softcap": case["softcap"]}
