@@ -116,21 +116,43 @@ def sdpa(q, k, v, causal=False, scale=None):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=group > 1)
 
 
+def _lowp_sdpa_call(q, k, v, causal, scale, causal_offset, window, softcap, sinks, alibi):
+    """SDPA's keyword arguments where lowp_attention's answer is one SDPA call, else None. SDPA scales after
+    masking: a zero or negative scale turns its -inf into NaN or +inf, so those run step by step."""
+    if softcap or sinks is not None or alibi is not None or tuple(window) != (-1, -1) or (scale is not None
+                                                                                           and scale <= 0):
+        return None
+    call = {"scale": scale, "enable_gqa": q.size(-3) != k.size(-3)}
+    if causal and causal_offset != 0:
+        call["attn_mask"] = visible_mask(q.size(-2), k.size(-2), causal, causal_offset, window, q.device)
+    else:
+        call["is_causal"] = causal
+    return call
+
+
+def lowp_sdpa_backend(q, k, v, causal=False, scale=None, causal_offset=0, window=(-1, -1), softcap=0.0, sinks=None,
+                      alibi=None):
+    """The SDPA backend (torch.nn.attention.SDPBackend's value) that lowp_attention's call takes on these inputs, or
+    None where lowp_attention runs step by step."""
+    call = _lowp_sdpa_call(q, k, v, causal, scale, causal_offset, window, softcap, sinks, alibi)
+    if call is None:
+        return None
+    return torch._fused_sdp_choice(q, k, v, call.get("attn_mask"), 0.0, call.get("is_causal", False), scale=scale,
+                                   enable_gqa=call["enable_gqa"])
+
+
 def lowp_attention(q, k, v, causal=False, scale=None, causal_offset=0, window=(-1, -1), softcap=0.0, sinks=None,
-                   alibi=None):
+                   alibi=None, step_by_step=False):
     """PyTorch's own low-precision answer for any variant: SDPA in the input dtype, with the mask, softcap, ALiBi
     and sinks expressed as SDPA arguments (a boolean or additive float mask; softcap and sinks as explicit ops in
-    the input dtype). Rows that see nothing give 0 (SDPA gives NaN there)."""
+    the input dtype). Rows that see nothing give 0 (SDPA gives NaN there). step_by_step: the general path even
+    where one SDPA call would do (flash-attn's own tests' yardstick: attention written out in the input dtype)."""
     Sq, Sk = q.size(-2), k.size(-2)
     gqa = q.size(-3) != k.size(-3)
-    # SDPA scales after masking: a zero or negative scale turns its -inf into NaN or +inf, so those run step by step.
-    plain = (not softcap and sinks is None and alibi is None and window == (-1, -1)
-             and (scale is None or scale > 0))
-    if plain and (not causal or causal_offset == 0):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, scale=scale, enable_gqa=gqa)
+    sdpa_call = _lowp_sdpa_call(q, k, v, causal, scale, causal_offset, window, softcap, sinks, alibi)
+    if sdpa_call is not None and not step_by_step:
+        return F.scaled_dot_product_attention(q, k, v, **sdpa_call).nan_to_num(0.0)
     vis = visible_mask(Sq, Sk, causal, causal_offset, window, q.device)
-    if plain:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=vis, scale=scale, enable_gqa=gqa).nan_to_num(0.0)
     # The general case in the input dtype, step by step as a PyTorch user would write it.
     if gqa:
         k = k.repeat_interleave(q.size(-3) // k.size(-3), dim=-3)
