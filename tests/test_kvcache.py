@@ -708,17 +708,54 @@ def test_kvcache_prefill_cuda(request, variant, dtype, page_size):
 PREFILL_MODE_SMALL_PAGES = dict(B=3, Sq=128, Sn=128, lens=[0, 200, FULL - 128])
 
 
-def prefill_on_varlen(page_size=None, new_tokens=PREFILL_MODE["Sq"]):
-    """Whether a PREFILL_HEADS (head dim 128: 128-row blocks) prefill runs on the Hopper varlen forward here
-    (attention_cuda.cpp: Hopper; 33 new tokens or more, or fewer where the packed blocks are more than half queries; a
-    grid, query heads packed, of at least a third as many blocks as SMs; paged caches with pages of a multiple of 64
-    keys, or of 16 from 64 new tokens)."""
-    props = torch.cuda.get_device_properties(0)
-    _, blocks, mostly_full = packed_varlen_grid(PREFILL_MODE["B"], *PREFILL_HEADS, new_tokens, 128)
+def prefill_on_varlen(page_size=None, new_tokens=PREFILL_MODE["Sq"], batch=PREFILL_MODE["B"], heads=PREFILL_HEADS,
+                      walk_keys=GPU_CAP):
+    """Whether a head-dim-128 prefill runs on the Hopper varlen forward here (prefill_route)."""
+    return prefill_route(page_size, new_tokens, batch, heads, walk_keys)[0]
+
+
+def prefill_route(page_size, new_tokens, batch, heads, walk_keys):
+    """(on the Hopper varlen forward, its key splits) for a head-dim-128 prefill (128-row blocks), as
+    attention_cuda.cpp routes it: Hopper; 33 new tokens or more, or fewer where the packed blocks are more than half
+    queries, or from 16 where the kernel splits its keys in two (walks, the cache or a window bounded on both
+    sides, of 1024 keys or more, and a grid of at most half as many blocks as SMs); a grid, query heads packed and
+    split blocks counted, of at least a third as many blocks as SMs; paged caches with pages of a multiple of 64
+    keys, or of 16 from 64 new tokens."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    _, blocks, mostly_full = packed_varlen_grid(batch, *heads, new_tokens, 128)
+    splits = 2 if walk_keys >= 1024 and 2 * blocks <= sms else 1
     pages_fit = page_size is None or page_size % 64 == 0 or (page_size % 16 == 0 and new_tokens >= 64)
-    enough_rows = new_tokens >= 33 or mostly_full
-    return (torch.cuda.get_device_capability() == (9, 0) and enough_rows and 3 * blocks >= props.multi_processor_count
-            and pages_fit)
+    enough_rows = new_tokens >= 33 or mostly_full or (splits > 1 and new_tokens >= 16)
+    on_varlen = (torch.cuda.get_device_capability() == (9, 0) and enough_rows and 3 * blocks * splits >= sms
+                 and pages_fit)
+    return on_varlen, splits
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", ["plain", "window_causal", "softcap", "sinks_causal", "all"])
+@pytest.mark.parametrize("page_size", [None, 64], ids=lambda p: f"page{p}" if p else "dense")
+@pytest.mark.parametrize("new_tokens", [16, 24])
+def test_kvcache_prefill_key_split_cuda(request, variant, page_size, new_tokens):
+    """A chunked prefill of a few sequences over long caches: too few Hopper blocks for the SMs (four query heads of
+    16 or 24 tokens a block), so the kernel splits each query tile's keys over a cluster of two blocks, and from 16
+    new tokens takes the prefill from the decode kernel; a window of a few hundred keys leaves it to the decode
+    kernel. Every score variant, an entry of no keys, one of fewer than a tile, a full one, and the append."""
+    B, heads, cap = 6, (32, 8), 3000
+    mode = dict(B=B, Sq=new_tokens, Sn=new_tokens, lens=[0, 40, 2000, 1000, 2900, FULL - new_tokens])
+    v = {"causal": True, **GPU_VARIANTS.get(variant, {}), "page_size": page_size}
+    inputs, kw = make_case(request, "cuda", torch.bfloat16, Hq=heads[0], Hkv=heads[1], D=128, capacity=cap, **mode,
+                           **v)
+    run_case(inputs, kw)
+    ran = flashcore.last_kernel("fwd")
+    left, right = v.get("window", (-1, -1))
+    right = 0 if v["causal"] else right
+    walk = min(cap, left + right + new_tokens) if left >= 0 and right >= 0 else cap
+    on_varlen, splits = prefill_route(page_size, new_tokens, B, heads, walk)
+    if on_varlen:
+        assert ran.startswith("sm90") and "varlen" in ran and (" splits2" in ran) == (splits == 2), ran
+    else:
+        assert ran.startswith("decode"), ran
 
 
 @pytest.mark.gpu

@@ -354,6 +354,50 @@ def test_varlen_pack_gqa_cuda(request, monkeypatch, variant, heads, head_dim):
     assert (f" pack{want} " in ran) if want > 1 else ("pack" not in ran), ran
 
 
+# The key splits of the Hopper varlen forward (sm90/fwd_sm90_traits.cuh): the two-warpgroup kernels where rank 0's
+# ring holds the partial results (head dim 128); the three-warpgroup ones (64, 96) are built without.
+VARLEN_MAX_KEY_SPLITS = {64: 1, 96: 1, 128: 2, 256: 1}
+
+
+def key_splits_of(ran):
+    return int(ran.split(" splits")[1].split()[0]) if " splits" in ran else 1
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", ["dense", "causal", "window_causal", "softcap", "sinks", "all"])
+@pytest.mark.parametrize("head_dim", [64, 96, 128, 256])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_varlen_key_splits_cuda(request, monkeypatch, variant, head_dim, dtype):
+    """A few query tiles over long keys (a chunked prefill of a few sequences) leave most SMs idle, so the Hopper
+    varlen forward splits each tile's keys over a cluster of blocks and merges them in rank 0's shared memory. Slices
+    that see no key (a sequence of one key tile, one of none, rows a causal mask hides), sequences past one query
+    tile; forward against the reference, the backward through the merged O and LSE, and FLASHCORE_KEY_SPLITS=1 (no
+    split) for the same inputs."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the Hopper varlen forward needs a compute capability 9.0 GPU")
+    monkeypatch.setenv("FLASHCORE_FORCE_KERNEL", "sm90")
+    lens_q, lens_k = [40, 1, 17, 0, 150], [3000, 2049, 100, 0, 700]
+    # Windows the split can cut (the launcher splits walks of a few key tiles or more; VARIANTS' 20 and 40 keys are
+    # one or two).
+    variant_kw = dict(VARIANTS[variant])
+    if "window" in variant_kw:
+        variant_kw["window"] = (1500, variant_kw["window"][1])
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", dtype, lens_q, lens_k, 8, 2, head_dim, variant_kw)
+    out, lse = run_forward(q, k, v, cu_q, cu_k, kw)
+    ran = assert_ran("fwd", "sm90")
+    want = VARLEN_MAX_KEY_SPLITS[head_dim]
+    assert key_splits_of(ran) == want, f"expected {want} key splits: {ran}"
+    if variant in ("causal", "all"):
+        run_backward(q, k, v, cu_q, cu_k, kw)
+    monkeypatch.setenv("FLASHCORE_KEY_SPLITS", "1")
+    out1, lse1 = run_forward(q, k, v, cu_q, cu_k, kw)
+    assert key_splits_of(assert_ran("fwd", "sm90")) == 1
+    # The same inputs split and unsplit: the merge reorders float32 sums only.
+    assert (out.float() - out1.float()).abs().max().item() <= 2 * torch.finfo(dtype).eps * out1.abs().max().item()
+    assert torch.equal(torch.isinf(lse), torch.isinf(lse1))
+
+
 def takes_packed_grid(batch, heads_q, heads_kv, total_q, max_seqlen_q, block_m):
     """Whether the Hopper varlen forward launches the sequences' own tiles (csrc/.../sm90/fwd_sm90_launch.cuh,
     cuda/common/varlen_tile_scan.cuh): at most 256 sequences, and a bound of groups x min(batch x ceil(max_seqlen_q /

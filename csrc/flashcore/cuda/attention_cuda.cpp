@@ -746,17 +746,23 @@ void adopt_varlen_outputs(const at::Tensor& o, const at::Tensor& l, int64_t B, i
 // the decode kernel's, and the slots past an entry's length are never read into the output (the varlen kernel
 // zeroes V past a sequence's used keys; TMA zero-fills pages past it). Taken from kPrefillOnVarlenMinTokens new
 // tokens a sequence, or fewer where the Hopper kernel's blocks (the group's query heads packed into them,
-// sm90/fwd_sm90_pack_gqa.h) are more than half queries, and where its grid has at least a third as many blocks as the
-// GPU has SMs; without cache_batch_idx, left pad or forced split count, on a build with the Hopper varlen kernel for
-// the head dim and caches whose rows (or pages) TMA can read as packed (rows, heads, dim) tensors (else the decode
-// kernel, never the mma.sync varlen one), paged ones in pages of a multiple of 16 keys. Returns false (nothing done)
-// otherwise.
+// sm90/fwd_sm90_pack_gqa.h) are more than half queries (from kSplitPrefillMinTokens where it splits keys), and where
+// its grid, a key split's blocks counted, has at least a third as many blocks as the GPU has SMs; without
+// cache_batch_idx, left pad or forced split count, on a build with the Hopper varlen kernel for the head dim and
+// caches whose rows (or pages) TMA can read as packed (rows, heads, dim) tensors (else the decode kernel, never the
+// mma.sync varlen one), paged ones in pages of a multiple of 16 keys. Returns false (nothing done) otherwise.
 // The decode kernel's cost grows with each 64 packed rows of a KV head, the Hopper kernel's with its waves of
-// blocks (128 or 192 rows), and it has no key split for a small grid. H100, 8 x 8k, Hq 32 / Hkv 8, us decode /
-// Hopper one head a block: 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64 353.0 / 214.1; 1 x 128k
+// blocks (128 or 192 rows); a small grid splits its keys at head dim 128 only. H100, 8 x 8k, Hq 32 / Hkv 8, us
+// decode / Hopper one head a block: 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64 353.0 / 214.1; 1 x 128k
 // (32 blocks) with 64 tokens 683.0 / 1378.5. Packed (4 heads a block from 17 tokens), the Hopper kernel takes
 // ~115-120 us at 8 x 8k from 24 to 64 tokens (64 or 128 blocks); docs/PERFORMANCE.md.
 constexpr int64_t kPrefillOnVarlenMinTokens = 33;
+// Where the Hopper kernel splits its keys (two blocks a query tile, merged in a cluster), from 16 new tokens, its
+// blocks four query heads of 16 tokens (half padding). H200, Hq 32 / Hkv 8, hd128 bf16, us Hopper split / decode /
+// FA4: 16 tokens 8 x 8k 80.1 / 92.5 / 91.0, 4 x 4096 (64 split blocks) 42.3 / 46.8 / 47.8, but 2 x 8k (32) 62.5 /
+// 49.5 / 89.7, which the grid rule leaves to the decode kernel; 8 tokens 8 x 8k 79.7 / 81.7, 4 x 4096 41.4 / 37.0;
+// 64 tokens 2 x 8k (64 split blocks) 63.9 / 87.4 / 91.7.
+constexpr int64_t kSplitPrefillMinTokens = 16;
 // Paged caches with pages under 64 keys: the Hopper kernel's producer issues up to 32 boxes and 8 block-table reads
 // a 128-key tile, so the decode kernel keeps the shortest prefills (H100, pages of 16, us Hopper / decode: 8 x 8k
 // 64 tokens 394.6 / 376.1, 128 tokens 397.0 / 746.2; 64 entries of mixed lengths, 64 tokens 618.5 / 737.4).
@@ -795,9 +801,22 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   const cuda::FwdKernelEntry* sm90 = sm90_varlen_fwd_entry(D, query.scalar_type(), transforms_scores(opts));
   if (sm90 == nullptr || !packed_tma_ready(q) || !packed_tma_ready(*k) || !packed_tma_ready(*v)) return false;
   const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, k->size(1), Sq, sm90->head_dim_tile, pack_gqa_mode());
-  if ((Sq < kPrefillOnVarlenMinTokens && !grid.mostly_full(Sq)) ||
-      3 * grid.blocks(B, Hq, Sq) < prop.multiProcessorCount)
-    return false;
+  // The grid as the launcher runs it: key splits multiply a grid of at most one cluster an SM pair over long caches
+  // (sm90::varlen_fwd_max_key_splits), and then from kSplitPrefillMinTokens even blocks half padding beat the
+  // decode kernel.
+  const int sms = prop.multiProcessorCount;
+  const int64_t blocks = grid.blocks(B, Hq, Sq);
+  int64_t walk_keys = capacity;  // at most, a query tile's: the cache, or a window bounded on both sides
+  if (const int64_t right = opts.is_causal ? 0 : window_right; window_left >= 0 && right >= 0)
+    walk_keys = std::min(walk_keys, window_left + right + Sq);
+  const int splits = walk_keys >= sm90::kVarlenSplitMinKeys && 2 * blocks <= sms && key_split_cap() != 1
+                         ? sm90::varlen_fwd_max_key_splits(sm90->head_dim_tile)
+                         : 1;
+  const bool enough_queries = Sq >= kPrefillOnVarlenMinTokens || grid.mostly_full(Sq) ||
+                              (splits > 1 && Sq >= kSplitPrefillMinTokens);
+  // FLASHCORE_FORCE_KERNEL=sm90 takes it for every prefill (Sq > 1) it can run, as the benchmarks' comparison.
+  const bool forced = forced_fwd_family() == "sm90" && Sq > 1;
+  if (!forced && (!enough_queries || 3 * blocks * splits < sms)) return false;
   const at::Tensor cu_q = equal_offsets(B, Sq, query.options());
   const at::Tensor cu_k = paged ? cu_q : equal_offsets(B, capacity, query.options());  // paged: not read
   const PagedKeys pages{args.block_table, rows_per_cache_row};

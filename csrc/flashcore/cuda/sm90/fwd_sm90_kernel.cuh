@@ -40,11 +40,25 @@
 
 namespace flashcore::sm90 {
 
+// A key split (launched in clusters of num_splits blocks; 1: none): the block of rank r walks the r-th of num_splits
+// near-equal slices of its tile's key blocks [n_first, n_blocks) (a slice may be empty).
+template <typename Element>
+__device__ __forceinline__ void take_key_slice(cuda::FwdBlock<Element>& blk) {
+  const int splits = (int)ptx::cluster_size();
+  if (splits > 1) {
+    const int rank = (int)ptx::cluster_rank(), first = blk.n_first, n = blk.n_blocks - blk.n_first;
+    blk.n_first = first + n * rank / splits;
+    blk.n_blocks = first + n * (rank + 1) / splits;
+    blk.split_rank = rank;
+    blk.num_splits = splits;
+  }
+}
+
 // Calls tile_fn(blk, tile_count, kv_count) for each tile this block computes, in order: tile_count tiles and
 // kv_count K/V ring uses came before it. Producer and consumers both walk tiles through this, so their barrier
 // phases agree. Without kPersistent the block has exactly one tile and no loop-carried state (registers).
 // Waits for the previous grid (wait_for_prior_grids) before the first tile_fn call. varlen_tile: a varlen block's
-// tile (blockIdx.x, or the packed grid's scan), < 0 for none.
+// tile (its cluster's index, or the packed grid's scan of it), < 0 for none.
 template <typename Traits, typename TileFn>
 __device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_blocks, int num_tiles, int varlen_tile,
                                               TileFn&& tile_fn) {
@@ -59,30 +73,23 @@ __device__ __forceinline__ void for_each_tile(const FwdParams& p, int num_m_bloc
       tile_fn(blk, tile_count, kv_count);
       kv_count += blk.n_blocks - blk.n_first;  // >= 0 (fwd_block clamps)
     }
-  } else if constexpr (Traits::kSplitKeys) {
-    // Launched in clusters of num_splits blocks (1: no key split): cluster c computes tile c, its block of rank r
-    // the r-th of num_splits near-equal slices of the tile's key blocks [n_first, n_blocks).
+  } else if constexpr (Traits::kSplitKeys && !Traits::kVarlen) {
+    // Cluster c computes tile c (a cluster of one block where the launcher does not split).
     auto blk = cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN>(p, num_m_blocks, (int)ptx::cluster_id_x());
-    const int splits = (int)ptx::cluster_size();
-    if (splits > 1) {
-      const int rank = (int)ptx::cluster_rank(), first = blk.n_first, n = blk.n_blocks - blk.n_first;
-      blk.n_first = first + n * rank / splits;
-      blk.n_blocks = first + n * (rank + 1) / splits;
-      blk.split_rank = rank;
-      blk.num_splits = splits;
-    }
+    take_key_slice(blk);
     ptx::wait_for_prior_grids();
     tile_fn(blk, 0, 0);
   } else {
     // Varlen: the offsets and the launch order (seqlen.h) are global memory the previous grid may have written.
     if constexpr (Traits::kVarlen) {
       ptx::wait_for_prior_grids();
-      if (varlen_tile < 0) return;  // past the packed grid's last tile
+      if (varlen_tile < 0) return;  // past the packed grid's last tile (every block of its cluster alike)
     }
-    const auto blk =
+    auto blk =
         cuda::fwd_block<Element, Traits::kBlockM, Traits::kBlockN, Traits::kVarlen, /*kPackGqa=*/Traits::kVarlen>(
             p, num_m_blocks, Traits::kVarlen ? varlen_tile : (int)blockIdx.x);
     if (Traits::kVarlen && blk.m0 >= blk.seqlen_q) return;  // past its sequence's end: the whole block skips it
+    if constexpr (Traits::kSplitKeys) take_key_slice(blk);
     if constexpr (!Traits::kVarlen) ptx::wait_for_prior_grids();
     tile_fn(blk, 0, 0);
   }
@@ -134,7 +141,8 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // through a warp reduction (REDUX writes a uniform register), so that ptxas keeps the block's coordinates on the
   // uniform datapath as it does blockIdx's: in vector registers they spilled 128-132 B in the 160-register
   // consumers of the three-warpgroup kernels.
-  int varlen_tile = (int)blockIdx.x;
+  // A key split's blocks share their cluster's tile.
+  int varlen_tile = Traits::kSplitKeys ? (int)ptx::cluster_id_x() : (int)blockIdx.x;
   if constexpr (Traits::kVarlen) {
     if (p.varlen.scan_grid) {
       ptx::wait_for_prior_grids();

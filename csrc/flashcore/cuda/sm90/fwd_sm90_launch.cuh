@@ -200,7 +200,7 @@ void launch_fwd_width(const FwdParams& p, int num_sms, cudaStream_t stream) {
 }
 
 // A variable-length batch (seqlen.h): the configured width's plain or score-mod variant built for varlen, one block
-// per (sequence, head, query tile), no key split, the batch in its given order (the backward's launch schedule
+// per (sequence, head, query tile) (a cluster of 2-3 where its keys are split), the batch in its given order (the backward's launch schedule
 // measured 3 % slower here: docs/PERFORMANCE.md); a packed grid of the sequences' tiles where lengths differ
 // (cuda/common/varlen_tile_scan.cuh), else ceil(max_seqlen_q / rows) tiles for every sequence. The descriptors
 // cover the packed tensors as one (1, heads, total, dim) entry each; the dispatcher checks that TMA can describe
@@ -216,6 +216,7 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   constexpr bool kBf16 = std::is_same_v<Element, __nv_bfloat16>;
   const int64_t total_q = p.varlen.total_q, total_k = p.varlen.total_k;
   static_assert(varlen_fwd_block_m(kHeadDim) == Traits::kBlockM, "the router's grid estimate is this grid");
+  static_assert(varlen_fwd_max_key_splits(kHeadDim) == Traits::kMaxKeySplits, "the router's split estimate");
   FwdParams params = p;
   const VarlenFwdPack grid = varlen_fwd_pack(p.heads_q, p.heads_kv, p.seqlen_q, kHeadDim, pack_gqa_mode());
   const int pack = grid.heads;
@@ -248,14 +249,24 @@ void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   params.varlen.scan_grid = p.batch <= cuda::kVarlenScanMaxBatch && 8 * packed_tiles <= 7 * num_tiles &&
                             varlen_fwd_packed_grid_enabled();
   const int64_t launched = params.varlen.scan_grid ? packed_tiles : num_tiles;
-  KernelTrace trace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, 1, false, kScoreMod, true};
+  // A grid of few tiles with long key walks (a chunked prefill of a few sequences) splits their keys over clusters,
+  // as the one-warpgroup dense grids do (pick_key_splits: only where every cluster is resident at once).
+  int splits = 1;
+  if constexpr (Traits::kSplitKeys) {
+    static cuda::ClusterOccupancy occupancy;
+    const int num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+    splits = pick_key_splits<Traits>(params, launched, num_sms, [&](int s) {
+      return cuda::max_active_clusters(kernel, dim3(Traits::kNThreads), Traits::kSmemBytes, (unsigned)s, occupancy);
+    });
+  }
+  KernelTrace trace{"sm90", Traits::kHeadDim, Traits::kWarpgroups, splits, false, kScoreMod, true};
   trace.pack_gqa = pack;
   trace.packed_grid = params.varlen.scan_grid;
   record_kernel(Pass::kFwd, trace);
   static cuda::PdlSupport pdl;
   // tm_o: unused by the varlen epilogue (bounded stores), passed to fill the parameter.
-  cuda::launch_kernel(kernel, pdl, dim3((unsigned)launched), dim3(Traits::kNThreads), Traits::kSmemBytes, stream, 1u,
-                      params, tm_q, tm_k, tm_v, tm_q, num_m_blocks, (int)num_tiles);
+  cuda::launch_kernel(kernel, pdl, dim3((unsigned)(launched * splits)), dim3(Traits::kNThreads), Traits::kSmemBytes,
+                      stream, (unsigned)splits, params, tm_q, tm_k, tm_v, tm_q, num_m_blocks, (int)num_tiles);
 }
 
 // kScoreMod: the score-mod variants (FwdSm90Traits), built for two block widths only (one warpgroup, with key

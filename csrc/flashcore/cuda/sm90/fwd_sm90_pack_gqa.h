@@ -54,6 +54,16 @@ inline int pick_pack_gqa(int64_t group, int64_t max_seqlen_q, int block_m, int m
 }
 
 // The varlen forward's blocks for a call: block_m rows, `heads` query heads of `rows` queries each.
+// Key splits the Hopper varlen forward can take: its two-warpgroup kernels split where rank 0's K/V ring holds the
+// other ranks' partial results (fwd_sm90_traits.cuh: head dim 128, two ranks), so that routers can count the blocks
+// a split grid fills. The launcher (fwd_sm90_launch.cuh: pick_key_splits) takes them for grids whose clusters are
+// all resident at once and walks long enough to pay for the merge: from about 8 key tiles where the split grid
+// fills more than half the SMs (kVarlenSplitMinKeys).
+constexpr int varlen_fwd_max_key_splits(int head_dim_tile) {
+  return head_dim_tile > 96 && head_dim_tile <= 128 ? 2 : 1;
+}
+constexpr int64_t kVarlenSplitMinKeys = 1024;
+
 struct VarlenFwdPack {
   int block_m;
   int heads;

@@ -16,9 +16,10 @@
 //           from registers, so nothing of its own shared memory must outlive it.
 //   rank 0's consumers: wait on split_full, which expects (splits - 1) x kPartialBytes (armed at kernel start),
 //           and merge.
-// Layout of slot r - 1: kSplitVecs float4 per thread, vector j of consumer thread t at (j * 128 + t) * 16 bytes, so
-// a warp's stores and loads cover 512 contiguous bytes (no bank conflicts). Vectors 0..kHeadDim/8 - 1 hold the O
-// fragment in register order; the last holds the thread's two row LSEs.
+// Layout of slot r - 1: kSplitVecs float4 per consumer thread, vector j of thread t at (j * kConsumerThreads + t) * 16
+// bytes, so a warp's stores and loads cover 512 contiguous bytes (no bank conflicts). Vectors 0..kHeadDim/8 - 1 hold
+// the O fragment in register order; the last holds the thread's two row LSEs. Each thread merges its own rows, so
+// the protocol is the same for one warpgroup or several.
 #pragma once
 
 #include <cmath>
@@ -64,7 +65,8 @@ __device__ __forceinline__ bool merge_key_splits(float (&o_flat)[kOValues], floa
                                                  const cuda::FwdBlock<Element>& blk) {
   static_assert(kOValues % 4 == 0 && kOValues / 4 + 1 == Traits::kSplitVecs, "slot layout");
   constexpr int kOVecs = kOValues / 4;
-  const uint32_t t = threadIdx.x;  // consumer thread, < 128 (one warpgroup)
+  constexpr uint32_t kThreads = Traits::kConsumerThreads;
+  const uint32_t t = threadIdx.x;  // consumer thread, < kThreads
   const uint32_t ring = ptx::smem_addr(smem.k);
   ptx::cluster_wait();  // every block's barriers are initialized (the kernel arrived after init)
   if (blk.split_rank != 0) {
@@ -75,10 +77,10 @@ __device__ __forceinline__ bool merge_key_splits(float (&o_flat)[kOValues], floa
 #pragma unroll
     for (int j = 0; j < kOVecs; ++j) {
       const float v[4] = {o_flat[4 * j], o_flat[4 * j + 1], o_flat[4 * j + 2], o_flat[4 * j + 3]};
-      ptx::st_async_v4(dst + j * 128 * 16, v, bar);
+      ptx::st_async_v4(dst + j * kThreads * 16, v, bar);
     }
     const float tail[4] = {lse[0], lse[1], 0.f, 0.f};
-    ptx::st_async_v4(dst + kOVecs * 128 * 16, tail, bar);
+    ptx::st_async_v4(dst + kOVecs * kThreads * 16, tail, bar);
     return false;
   }
 
@@ -86,7 +88,7 @@ __device__ __forceinline__ bool merge_key_splits(float (&o_flat)[kOValues], floa
 
   auto slot_vec = [&](int r, int j) {
     const unsigned char* base = reinterpret_cast<const unsigned char*>(smem.k);
-    return *reinterpret_cast<const float4*>(base + (size_t)(r - 1) * Traits::kPartialBytes + (j * 128 + t) * 16);
+    return *reinterpret_cast<const float4*>(base + (size_t)(r - 1) * Traits::kPartialBytes + (j * kThreads + t) * 16);
   };
   constexpr float kLog2e = 1.4426950408889634f;
   float base[2] = {lse[0], lse[1]};

@@ -20,7 +20,8 @@ namespace flashcore::sm90 {
 // scores become logits before the mask, and the softmax runs with scale 1.
 // kVarlen_: a variable-length batch (seqlen.h): TMA reads the packed tensors at each sequence's rows (rows past its
 // end, read from the next sequence, are masked like any key past seqlen_k, or never stored); O is stored with
-// bounded 16-byte stores instead of TMA, which would write past the sequence's end; one tile per block, no key split.
+// bounded 16-byte stores instead of TMA, which would write past the sequence's end; one tile per block (a cluster's
+// blocks where the launcher splits its keys).
 template <int kHeadDim_, typename Element_, int kWarpgroups_ = FwdSm90Config<kHeadDim_>::kWarpgroups,
           int kBlockN_ = FwdSm90Config<kHeadDim_>::kBlockN, bool kCompact_ = false, bool kScoreMod_ = false,
           bool kVarlen_ = false>
@@ -80,16 +81,19 @@ struct FwdSm90Traits {
   static constexpr int kScoreBuffers =
       (kWarpgroups == 1 && !kCompact && 2 * (kBlockN / 2) + kBlockN / 4 + kHeadDim / 2 <= 192) ? 2 : 1;
   static constexpr int kDeepMinTiles = 16;  // key tiles from which a block takes the two-buffer loop (consumer)
-  // Key splits (one-warpgroup blocks only, whose grids leave SMs idle): a cluster of up to kMaxKeySplits blocks
-  // shares one query tile, each walking a slice of its key tiles; every block but rank 0 sends its normalized O
-  // and LSE (kSplitVecs float4 a thread) into rank 0's K/V ring, free once rank 0's key walk is done, and rank 0
-  // merges them (fwd_sm90_split.cuh). The ring bounds the splits.
-  static constexpr bool kSplitKeys = kWarpgroups == 1 && !kCompact && !kVarlen;
+  // Key splits, for grids that leave SMs idle (one-warpgroup blocks, and varlen batches of few long-keyed query
+  // tiles: a chunked prefill): a cluster of up to kMaxKeySplits blocks shares one query tile, each walking a slice
+  // of its key tiles; every block but rank 0 sends its normalized O and LSE (kSplitVecs float4 a consumer thread)
+  // into rank 0's K/V ring, free once rank 0's key walk is done, and rank 0 merges them (fwd_sm90_split.cuh). The
+  // ring bounds the splits (two-warpgroup varlen blocks: 2 at head dim 128, none at 256). The three-warpgroup varlen
+  // kernels (head dims 64 and 96) are built without: their 160-register consumers spilled 72-140 B with the split.
+  static constexpr int kSplitVecs = (kHeadDim / 2 + 2 + 3) / 4;  // O fragment + 2 row LSEs, in float4s
+  static constexpr uint32_t kPartialBytes = kSplitVecs * kConsumerThreads * 16;
+  static constexpr int kMaxKeySplitsRing = 1 + (int)(2 * kStages * (kBlockN * kTileCols * 2) / kPartialBytes);
+  static constexpr bool kSplitKeys =
+      !kCompact && (kWarpgroups == 1 || (kVarlen && kWarpgroups == 2 && kMaxKeySplitsRing >= 2));
   // The split protocol has one phase per barrier and no ring use after the merge: one tile per block.
   static_assert(!(kSplitKeys && kPersistent), "key splits need one tile per block");
-  static constexpr int kSplitVecs = (kHeadDim / 2 + 2 + 3) / 4;  // O fragment + 2 row LSEs, in float4s
-  static constexpr uint32_t kPartialBytes = kSplitVecs * 128 * 16;
-  static constexpr int kMaxKeySplitsRing = 1 + (int)(2 * kStages * (kBlockN * kTileCols * 2) / kPartialBytes);
   static constexpr int kMaxKeySplits = !kSplitKeys ? 1 : kMaxKeySplitsRing < 8 ? kMaxKeySplitsRing : 8;
   static constexpr int kSpans = kTileCols / 64;  // TMA boxes per tile
   static_assert(kBlockM <= 256 && kBlockN <= 256, "a TMA box has at most 256 rows");
