@@ -753,8 +753,8 @@ void adopt_varlen_outputs(const at::Tensor& o, const at::Tensor& l, int64_t B, i
 // mma.sync varlen one), paged ones in pages of a multiple of 16 keys. Returns false (nothing done) otherwise.
 // The decode kernel's cost grows with each 64 packed rows of a KV head, the Hopper kernel's with its waves of
 // blocks (128 or 192 rows); a small grid splits its keys at head dim 128 only. H100, 8 x 8k, Hq 32 / Hkv 8, us
-// decode / Hopper one head a block: 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64 353.0 / 214.1; 1 x 128k
-// (32 blocks) with 64 tokens 683.0 / 1378.5. Packed (4 heads a block from 17 tokens), the Hopper kernel takes
+// decode / Hopper one head a block: 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64 353.0 / 214.1;
+// 1 x 128k (32 blocks) with 64 tokens 683.0 / 1378.5. Packed (4 heads a block from 17 tokens), the Hopper kernel takes
 // ~115-120 us at 8 x 8k from 24 to 64 tokens (64 or 128 blocks); docs/PERFORMANCE.md.
 constexpr int64_t kPrefillOnVarlenMinTokens = 33;
 // Where the Hopper kernel splits its keys (two blocks a query tile, merged in a cluster), from 16 new tokens, its

@@ -200,13 +200,13 @@ void launch_fwd_width(const FwdParams& p, int num_sms, cudaStream_t stream) {
 }
 
 // A variable-length batch (seqlen.h): the configured width's plain or score-mod variant built for varlen, one block
-// per (sequence, head, query tile) (a cluster of 2-3 where its keys are split), the batch in its given order (the backward's launch schedule
-// measured 3 % slower here: docs/PERFORMANCE.md); a packed grid of the sequences' tiles where lengths differ
-// (cuda/common/varlen_tile_scan.cuh), else ceil(max_seqlen_q / rows) tiles for every sequence. The descriptors
-// cover the packed tensors as one (1, heads, total, dim) entry each; the dispatcher checks that TMA can describe
-// them (tma_compatible with batch 1). Where it computes fewer padded rows, a block packs the query heads of a group
-// (pick_pack_gqa; params.h: PackGqa): Q's box then spans them, and the grid has heads_q / pack head groups of
-// ceil(max_seqlen_q / rows) blocks.
+// per (sequence, head, query tile) (a cluster of two where its keys are split), the batch in its given order (the
+// backward's launch schedule measured 3 % slower here: docs/PERFORMANCE.md); a packed grid of the sequences' tiles
+// where lengths differ (cuda/common/varlen_tile_scan.cuh), else ceil(max_seqlen_q / rows) tiles for every sequence.
+// The descriptors cover the packed tensors as one (1, heads, total, dim) entry each; the dispatcher checks that TMA
+// can describe them (tma_compatible with batch 1). Where it computes fewer padded rows, a block packs the query heads
+// of a group (pick_pack_gqa; params.h: PackGqa): Q's box then spans them, and the grid has heads_q / pack head groups
+// of ceil(max_seqlen_q / rows) blocks.
 template <int kHeadDim, typename Element, bool kScoreMod>
 void launch_fwd_varlen(const FwdParams& p, cudaStream_t stream) {
   using Config = FwdSm90Config<kHeadDim>;

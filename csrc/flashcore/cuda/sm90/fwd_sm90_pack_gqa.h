@@ -53,7 +53,6 @@ inline int pick_pack_gqa(int64_t group, int64_t max_seqlen_q, int block_m, int m
   return 8 * best_rows <= 7 * unpacked ? best : 1;
 }
 
-// The varlen forward's blocks for a call: block_m rows, `heads` query heads of `rows` queries each.
 // Key splits the Hopper varlen forward can take: its two-warpgroup kernels split where rank 0's K/V ring holds the
 // other ranks' partial results (fwd_sm90_traits.cuh: head dim 128, two ranks), so that routers can count the blocks
 // a split grid fills. The launcher (fwd_sm90_launch.cuh: pick_key_splits) takes them for grids whose clusters are
@@ -64,6 +63,7 @@ constexpr int varlen_fwd_max_key_splits(int head_dim_tile) {
 }
 constexpr int64_t kVarlenSplitMinKeys = 1024;
 
+// The varlen forward's blocks for a call: block_m rows, `heads` query heads of `rows` queries each.
 struct VarlenFwdPack {
   int block_m;
   int heads;
