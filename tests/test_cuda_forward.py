@@ -92,13 +92,15 @@ def test_forward_forced_block_height(request, monkeypatch, warpgroups):
 def packed_route_expected(shape, head_dim, bshd):
     """Whether a dense call runs on the Hopper varlen kernel with query heads packed (attention_cuda.cpp:
     dense_on_packed_varlen): Hopper, GQA, BSHD memory, a pack the rule takes, queries at most half of a one-head
-    block and more than half of a packed one, and a grid of at least a third as many blocks as SMs."""
+    block and more than half of a packed one or (more than one query) 1024 keys or more, and a grid of at least a
+    third as many blocks as SMs."""
     B, Hq, Hkv, Sq, Sk = shape
     if torch.cuda.get_device_capability() != (9, 0) or Hkv >= Hq or not bshd:
         return False
     block_m = 192 if head_dim <= 96 else 128
     g, blocks, mostly_full = packed_varlen_grid(B, Hq, Hkv, Sq, block_m)
-    fits = os.environ.get("FLASHCORE_PACK_GQA") == "always" or (2 * Sq <= block_m and mostly_full)
+    long_keys = Sq > 1 and Sk >= 1024
+    fits = os.environ.get("FLASHCORE_PACK_GQA") == "always" or (2 * Sq <= block_m and (mostly_full or long_keys))
     return g > 1 and fits and 3 * blocks >= torch.cuda.get_device_properties(0).multi_processor_count
 
 

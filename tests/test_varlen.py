@@ -398,6 +398,29 @@ def test_varlen_key_splits_cuda(request, monkeypatch, variant, head_dim, dtype):
     assert torch.equal(torch.isinf(lse), torch.isinf(lse1))
 
 
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("variant", ["causal", "window_causal", "softcap", "sinks"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_varlen_few_queries_long_keys_cuda(request, variant, head_dim):
+    """A few queries a sequence over long keys under GQA (a speculative-decoding check or a small chunk through
+    flash_attn_varlen_func) takes the packed Hopper kernel by default, not the mma.sync one that reads each K/V head
+    once a query head (8 x 16 queries on 8192 keys, 32 / 8 heads: 425 against 75 us, H200); from 1024 keys."""
+    if "sm90" not in gpu_families():
+        pytest.skip("the Hopper varlen forward needs a compute capability 9.0 GPU")
+    lens_q, lens_k = [16, 3, 9, 0], [2500, 1100, 40, 7]
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens_q, lens_k, 8, 2, head_dim,
+                                        VARIANTS[variant])
+    run_forward(q, k, v, cu_q, cu_k, kw)
+    ran = assert_ran("fwd", "sm90")
+    assert f" pack{pack_gqa_heads(4, max(lens_q), 192 if head_dim <= 96 else 128)} " in ran, ran
+    lens_k = [1000, 900, 40, 7]  # under 1024 keys: the mma.sync kernel, whose small blocks suit a few queries
+    q, k, v, cu_q, cu_k, kw = make_case(request, "cuda", torch.bfloat16, lens_q, lens_k, 8, 2, head_dim,
+                                        VARIANTS[variant])
+    run_forward(q, k, v, cu_q, cu_k, kw)
+    assert_ran("fwd", "sm80")
+
+
 def takes_packed_grid(batch, heads_q, heads_kv, total_q, max_seqlen_q, block_m):
     """Whether the Hopper varlen forward launches the sequences' own tiles (csrc/.../sm90/fwd_sm90_launch.cuh,
     cuda/common/varlen_tile_scan.cuh): at most 256 sequences, and a bound of groups x min(batch x ceil(max_seqlen_q /

@@ -345,9 +345,16 @@ bool packed_tma_ready(const at::Tensor& t) {
 // kernel's 192/128-row, 384-thread blocks hold at most 64 rows of work each (H100, 10 000 causal sequences of 1-64
 // tokens, 16 heads, hd128 bf16: 6.5 ms against the mma.sync kernel's 4.0), unless GQA packing makes its blocks more
 // than half queries (sm90/fwd_sm90_pack_gqa.h; 8 sequences of 64 queries on 8192 keys, 32 / 8 heads: 137 us packed
-// against 431 on mma.sync). The mma.sync family's varlen kernels
+// against 431 on mma.sync) or the keys are long (kPackedLongKeys). The mma.sync family's varlen kernels
 // are its score-mod variants; the wgmma family has plain ones too. FLASHCORE_FORCE_KERNEL forces a family as for fwd.
 constexpr int64_t kVarlenSm90MinRows = 64;
+// Short rows over long keys under GQA take the packed Hopper kernel however few queries fill its blocks: it reads
+// a KV head's keys once a group where the mma.sync kernel (and the dense kernels, one query head a block) read them
+// once a query head, and its small grids split their keys (more than one query a sequence: a decode step keeps
+// the routes made for it). H200, Hq 32 / Hkv 8, hd128 bf16, causal, graph us,
+// flash_attn_varlen_func mma.sync / Hopper: 8 sequences of 16 queries on 8192 keys 425.1 / 74.8, of 8 420.4 / 74.3,
+// 4 of 16 on 4096 150.7 / 36.7; flash_attn_func (BSHD) dense / packed: 8 x 16 on 8192 186.1 / 78.6.
+constexpr int64_t kPackedLongKeys = 1024;
 
 // The sm90 entry built for varlen: the plain kernel unless the scores are transformed (score_mod.h), else the
 // score-mod one (it applies any transform); nullptr when neither carries a varlen launcher.
@@ -368,7 +375,8 @@ const cuda::FwdKernelEntry* sm90_varlen_fwd_entry(int64_t head_dim, at::ScalarTy
 
 const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                      const cudaDeviceProp& prop, int64_t max_seqlen_q,
-                                                     bool score_mod, bool short_rows_on_sm90 = false) {
+                                                     int64_t max_seqlen_k, bool score_mod,
+                                                     bool short_rows_on_sm90 = false) {
   const auto dtype = to_dtype(q.scalar_type());
   const int head_dim = (int)q.size(2);
   const std::string forced = forced_fwd_family();
@@ -383,7 +391,8 @@ const cuda::FwdKernelEntry& select_varlen_fwd_kernel(const at::Tensor& q, const 
   if (short_rows && sm90 != nullptr && k.size(1) > 0) {
     const sm90::VarlenFwdPack grid =
         sm90::varlen_fwd_pack(q.size(1), k.size(1), max_seqlen_q, sm90->head_dim_tile, pack_gqa_mode());
-    short_rows = !(grid.heads > 1 && grid.mostly_full(max_seqlen_q));
+    short_rows = !(grid.heads > 1 && (grid.mostly_full(max_seqlen_q) ||
+                                      (max_seqlen_q > 1 && max_seqlen_k >= kPackedLongKeys)));
   }
   if (sm90 != nullptr && is_hopper(prop) && !short_rows && packed_tma_ready(q) && packed_tma_ready(k) &&
       packed_tma_ready(v))
@@ -563,7 +572,7 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_fwd(const at::Tensor& query_in, co
   }
   cuda::zero_rows_outside_sequences(out, cu_seqlens_q);  // rows no kernel visits: 0, as rows that see no key
   if (varlen_fwd_is_trivial(p, out)) return {out, lse};
-  const cuda::FwdKernelEntry& kernel = select_varlen_fwd_kernel(query, key, value, prop, max_seqlen_q,
+  const cuda::FwdKernelEntry& kernel = select_varlen_fwd_kernel(query, key, value, prop, max_seqlen_q, max_seqlen_k,
                                                                 transforms_scores(opts), short_rows_on_sm90);
   TORCH_CHECK(paged == nullptr || std::string(kernel.family) == "sm90", "flashcore: internal error: paged keys "
               "on the ", kernel.family, " varlen kernel");
@@ -831,8 +840,8 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
 // check written against flash_attn_func or SDPA): the dense kernels' blocks hold one query head's few queries, and
 // every query head's block reads its K/V head again, while the Hopper varlen kernel packs the group's query heads
 // into one block's rows (sm90/fwd_sm90_pack_gqa.h). Taken on Hopper where it packs, the queries fill at most half of
-// a block of one head and more than half of a packed block, the packed grid has at least a third as many blocks as
-// SMs, and query, key and value are BSHD in memory (each a packed (rows, heads, dim) view: batch stride = seq_len x
+// a block of one head and more than half of a packed block (or the keys are long: kPackedLongKeys), the packed grid
+// has at least a third as many blocks as SMs, and query, key and value are BSHD in memory (each a packed (rows, heads, dim) view: batch stride = seq_len x
 // seq stride). Writes out and lse as the dense kernels would (the backward reads them as it reads theirs); returns
 // false (nothing done) otherwise.
 bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
@@ -850,7 +859,8 @@ bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, cons
   const int pack_mode = pack_gqa_mode();
   const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, Hkv, Sq, sm90->head_dim_tile, pack_mode);
   const bool always = pack_mode == 2;
-  if (grid.heads < 2 || (!always && (2 * Sq > grid.block_m || !grid.mostly_full(Sq))) ||
+  const bool long_keys = Sq > 1 && Sk >= kPackedLongKeys;  // one query: the decode routes' (dense_decode_step)
+  if (grid.heads < 2 || (!always && (2 * Sq > grid.block_m || !(grid.mostly_full(Sq) || long_keys))) ||
       3 * grid.blocks(B, Hq, Sq) < prop.multiProcessorCount)
     return false;
   auto rows = [&](const at::Tensor& t) -> std::optional<at::Tensor> {  // (B, H, S, D) as (B * S, H, D)
