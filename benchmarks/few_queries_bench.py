@@ -25,24 +25,7 @@ if ROOT not in sys.path:  # an in-place build (not pip-installed) is found too
 import flashcore  # noqa: E402
 from flashcore import flash_attn_func, flash_attn_varlen_func  # noqa: E402
 from bench import environment  # noqa: E402 (benchmarks/bench.py, next to this file)
-
-
-def graph_us(fn, iters: int, rounds: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(iters):
-            fn()
-    times = []
-    for _ in range(rounds):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / iters)
-    return sorted(times)[len(times) // 2]
+from decode_bench import graph_time  # noqa: E402
 
 
 def main():
@@ -78,7 +61,7 @@ def main():
         ]
         for name, env, fn in calls:
             with environment(env):
-                t = graph_us(fn, args.iters, args.rounds)
+                t = graph_time(fn, args.iters, args.rounds) * 1e3
                 print(f"{text:<14} {name:<18} {t:9.1f}  {flashcore.last_kernel('fwd')}", flush=True)
 
 
