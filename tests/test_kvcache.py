@@ -718,9 +718,10 @@ def prefill_route(page_size, new_tokens, batch, heads, walk_keys):
     """(on the Hopper varlen forward, its key splits) for a head-dim-128 prefill (128-row blocks), as
     attention_cuda.cpp routes it: Hopper; 33 new tokens or more, or fewer where the packed blocks are more than half
     queries, or from 16 where the kernel splits its keys in two (walks, the cache or a window bounded on both
-    sides, of 1024 keys or more, and a grid of at most half as many blocks as SMs); a grid, query heads packed and
-    split blocks counted, of at least a third as many blocks as SMs; paged caches with pages of a multiple of 64
-    keys, or of 16 from 64 new tokens."""
+    sides plus a tile's 128 rows, of 1024 keys or more, and a grid of at most half as many blocks as SMs; walk_keys
+    is the caller's: a paged cache's capacity is whole pages); a grid, query heads packed and split blocks counted,
+    of at least a third as many blocks as SMs; paged caches with pages of a multiple of 64 keys, or of 16 from 64
+    new tokens."""
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     _, blocks, mostly_full = packed_varlen_grid(batch, *heads, new_tokens, 128)
     splits = 2 if walk_keys >= 1024 and 2 * blocks <= sms else 1
@@ -750,7 +751,7 @@ def test_kvcache_prefill_key_split_cuda(request, variant, page_size, new_tokens)
     ran = flashcore.last_kernel("fwd")
     left, right = v.get("window", (-1, -1))
     right = 0 if v["causal"] else right
-    walk = min(cap, left + right + new_tokens) if left >= 0 and right >= 0 else cap
+    walk = min(cap, left + right + 128) if left >= 0 and right >= 0 else cap  # + a tile's rows, as the launcher
     on_varlen, splits = prefill_route(page_size, new_tokens, B, heads, walk)
     if on_varlen:
         assert ran.startswith("sm90") and "varlen" in ran and (" splits2" in ran) == (splits == 2), ran

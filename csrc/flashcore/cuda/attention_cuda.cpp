@@ -815,9 +815,11 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   // decode kernel.
   const int sms = prop.multiProcessorCount;
   const int64_t blocks = grid.blocks(B, Hq, Sq);
-  int64_t walk_keys = capacity;  // at most, a query tile's: the cache, or a window bounded on both sides
-  if (const int64_t right = opts.is_causal ? 0 : window_right; window_left >= 0 && right >= 0)
-    walk_keys = std::min(walk_keys, window_left + right + Sq);
+  // A query tile's walk at most, as the launcher's pick_key_splits bounds it: the cache, or a window bounded on both
+  // sides plus a tile's rows (opts' sides: those of 2^31 or more made unbounded, so the sum cannot overflow).
+  int64_t walk_keys = capacity;
+  if (const int64_t right = opts.is_causal ? 0 : opts.window_right; opts.window_left >= 0 && right >= 0)
+    walk_keys = std::min(walk_keys, opts.window_left + right + grid.block_m);
   const int splits = walk_keys >= sm90::kVarlenSplitMinKeys && 2 * blocks <= sms && key_split_cap() != 1
                          ? sm90::varlen_fwd_max_key_splits(sm90->head_dim_tile)
                          : 1;

@@ -125,7 +125,9 @@ __global__ void __launch_bounds__(Traits::kNThreads, 1)
   // A key split's blocks write into rank 0's shared memory and signal each other's barriers: rank 0 expects the
   // other ranks' bytes, and no block touches another's barriers before all are initialized. Every thread arrives
   // on the cluster barrier here and waits on it only before its first remote access (fwd_sm90_split.cuh) or its
-  // exit, so the blocks do not wait for each other at the start.
+  // exit, so the blocks do not wait for each other at the start. Threads that never access another block (the
+  // paged V producer, the blocks of a skipped varlen tile, which all return together) exit without waiting: an
+  // exited thread no longer holds the barrier back.
   const bool split = Traits::kSplitKeys && ptx::cluster_size() > 1;
   if (split) {
     if (threadIdx.x == 0 && ptx::cluster_rank() == 0)
