@@ -118,8 +118,8 @@ def attention_of(case, q, k, v, slopes, sq_sk_list, dout, window, top_left=False
     row's true dS, an error PyTorch's autograd, which never rounds O, does not make.
 
     The yardstick is SDPA's FlashAttention kernel where SDPA takes it for the call (plain calls, on CUDA and on the
-    CPU, whose flash backward also takes its row sums from the rounded output: it has that term already), else attention written out in the input dtype, as flash-attn's own tests measure PyTorch's
-    error: SDPA's other kernels are not FlashAttention's precision (cuDNN's dQ for one query over 533 keys, head
+    CPU, whose flash backward also takes its row sums from the rounded output: it has that term already), else
+    attention written out in the input dtype, as flash-attn's own tests measure PyTorch's error: SDPA's other kernels are not FlashAttention's precision (cuDNN's dQ for one query over 533 keys, head
     dim 72 with a value head dim of 64, came out at the output's rounding, a third of what a kernel that rounds dS
     to the input dtype before dS K makes; its math backend computes in float32)."""
     leaves64 = [x.detach().double().requires_grad_() for x in (q, k, v)]

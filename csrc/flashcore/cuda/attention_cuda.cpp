@@ -815,11 +815,13 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   // decode kernel.
   const int sms = prop.multiProcessorCount;
   const int64_t blocks = grid.blocks(B, Hq, Sq);
-  // A query tile's walk at most, as the launcher's pick_key_splits bounds it: the cache, or a window bounded on both
-  // sides plus a tile's rows (opts' sides: those of 2^31 or more made unbounded, so the sum cannot overflow).
-  int64_t walk_keys = capacity;
-  if (const int64_t right = opts.is_causal ? 0 : opts.window_right; opts.window_left >= 0 && right >= 0)
-    walk_keys = std::min(walk_keys, opts.window_left + right + grid.block_m);
+  // A query tile's walk at most, from the mask layer's band as the launcher's longest_walk_tiles takes it: the keys
+  // the queries see, or a band bounded on both sides plus a tile's rows.
+  const Band band = MaskParams{opts.is_causal, /*bottom_right=*/true, opts.window_left, opts.window_right}.band(
+      Sq, capacity);
+  int64_t walk_keys = band.keys_of_queries(0, Sq).size();
+  if (band.lo > -kUnboundedDiagonal && band.hi < kUnboundedDiagonal)
+    walk_keys = std::min(walk_keys, band.hi - band.lo + grid.block_m);
   const int splits = walk_keys >= sm90::kVarlenSplitMinKeys && 2 * blocks <= sms && key_split_cap() != 1
                          ? sm90::varlen_fwd_max_key_splits(sm90->head_dim_tile)
                          : 1;
@@ -843,9 +845,9 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
 // every query head's block reads its K/V head again, while the Hopper varlen kernel packs the group's query heads
 // into one block's rows (sm90/fwd_sm90_pack_gqa.h). Taken on Hopper where it packs, the queries fill at most half of
 // a block of one head and more than half of a packed block (or the keys are long: kPackedLongKeys), the packed grid
-// has at least a third as many blocks as SMs, and query, key and value are BSHD in memory (each a packed (rows, heads, dim) view: batch stride = seq_len x
-// seq stride). Writes out and lse as the dense kernels would (the backward reads them as it reads theirs); returns
-// false (nothing done) otherwise.
+// has at least a third as many blocks as SMs, and query, key and value are BSHD in memory (each a packed (rows,
+// heads, dim) view: batch stride = seq_len x seq stride). Writes out and lse as the dense kernels would (the backward
+// reads them as it reads theirs); returns false (nothing done) otherwise.
 bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const cudaDeviceProp& prop, double softmax_scale, bool is_causal, bool causal_bottom_right,
                             int64_t window_left, int64_t window_right, double softcap,
