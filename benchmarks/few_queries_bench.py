@@ -6,7 +6,9 @@ route against forced ones, in one process, each call timed in a CUDA graph (medi
 
 Per row (batch x queries x keys): `flash_attn_varlen_func` on equal sequences by the default route and forced to
 the Hopper kernels (FLASHCORE_FORCE_KERNEL=sm90), and `flash_attn_func` on BSHD tensors by the default route and
-with every GQA call packed (FLASHCORE_PACK_GQA=always); the kernel each ran is printed beside its time.
+with every GQA call packed (FLASHCORE_PACK_GQA=always), and on BHSD memory (BSHD views of (B, H, S, D) tensors, as
+transformers passes its caches) by the default route and with packing off (FLASHCORE_PACK_GQA=0: the dense
+kernels); the kernel each ran is printed beside its time.
 """
 
 from __future__ import annotations
@@ -52,12 +54,16 @@ def main():
         cu_q = torch.arange(B + 1, device="cuda", dtype=torch.int32) * Sq
         cu_k = torch.arange(B + 1, device="cuda", dtype=torch.int32) * Sk
         qd, kd, vd = q.view(B, Sq, Hq, D), k.view(B, Sk, Hkv, D), v.view(B, Sk, Hkv, D)
+        # The same tensors in BHSD memory (SDPA's and transformers' caches), passed as BSHD views.
+        qh, kh, vh = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (qd, kd, vd))
         calls = [
             ("varlen", {}, lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, Sq, Sk, causal=causal)),
             ("varlen@sm90", {"FLASHCORE_FORCE_KERNEL": "sm90"},
              lambda: flash_attn_varlen_func(q, k, v, cu_q, cu_k, Sq, Sk, causal=causal)),
             ("dense", {}, lambda: flash_attn_func(qd, kd, vd, causal=causal)),
             ("dense@pack-always", {"FLASHCORE_PACK_GQA": "always"}, lambda: flash_attn_func(qd, kd, vd, causal=causal)),
+            ("dense-bhsd", {}, lambda: flash_attn_func(qh, kh, vh, causal=causal)),
+            ("dense-bhsd@no-pack", {"FLASHCORE_PACK_GQA": "0"}, lambda: flash_attn_func(qh, kh, vh, causal=causal)),
         ]
         for name, env, fn in calls:
             with environment(env):

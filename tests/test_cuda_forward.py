@@ -89,13 +89,13 @@ def test_forward_forced_block_height(request, monkeypatch, warpgroups):
     assert f" wg{warpgroups}" in flashcore.last_kernel("fwd")
 
 
-def packed_route_expected(shape, head_dim, bshd):
+def packed_route_expected(shape, head_dim):
     """Whether a dense call runs on the Hopper varlen kernel with query heads packed (attention_cuda.cpp:
-    dense_on_packed_varlen): Hopper, GQA, BSHD memory, a pack the rule takes, queries at most half of a one-head
-    block and more than half of a packed one or (more than one query) 1024 keys or more, and a grid of at least a
-    third as many blocks as SMs."""
+    dense_on_packed_varlen): Hopper, GQA, a pack the rule takes, queries at most half of a one-head block and more
+    than half of a packed one or (more than one query) 1024 keys or more, and a grid of at least a third as many
+    blocks as SMs. Any of the layouts below (K/V read in place whatever their batch stride, q copied where BHSD)."""
     B, Hq, Hkv, Sq, Sk = shape
-    if torch.cuda.get_device_capability() != (9, 0) or Hkv >= Hq or not bshd:
+    if torch.cuda.get_device_capability() != (9, 0) or Hkv >= Hq:
         return False
     block_m = 192 if head_dim <= 96 else 128
     g, blocks, mostly_full = packed_varlen_grid(B, Hq, Hkv, Sq, block_m)
@@ -105,20 +105,27 @@ def packed_route_expected(shape, head_dim, bshd):
 
 
 # Dense GQA calls with a few queries a head against many keys (a chunked prefill or a speculative-decoding check
-# through flash_attn_func or SDPA): in BSHD memory on Hopper the varlen kernel runs them with the group's query heads
-# packed into a block's rows; in BHSD memory, or where the queries fill the blocks anyway, the dense kernels. Both
-# causal alignments (top-left keeps the first keys only; bottom-right almost all), and a grid too small to route.
+# through flash_attn_func, SDPA or transformers): on Hopper the varlen kernel runs them with the group's query heads
+# packed into a block's rows, reading K/V in place in BSHD memory, BHSD memory (its rows an entry apart by the other
+# heads' keys) or as the first Sk slots of a static cache (B, Hkv, capacity, D); where the queries fill the blocks
+# anyway, the dense kernels. Both causal alignments (top-left keeps the first keys only; bottom-right almost all),
+# and a grid too small to route.
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
 @pytest.mark.parametrize("shape", [(6, 32, 8, 40, 3000), (24, 16, 2, 16, 1500), (5, 24, 2, 7, 700),
                                    (2, 8, 2, 40, 500)], ids=lambda s: "x".join(map(str, s)))
-@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "cache"])
 def test_forward_gqa_few_queries(request, dtype, head_dim, mask, shape, layout):
-    q, k, v = random_qkv(request, shape, head_dim, dtype, layout, layout)
+    if layout == "cache":  # q BSHD, k/v the first Sk slots of a BHSD cache 37 slots longer
+        B, Hq, Hkv, Sq, Sk = shape
+        q, k, v = random_qkv(request, (B, Hq, Hkv, Sq, Sk + 37), head_dim, dtype, "bshd", "bhsd")
+        k, v = k[:, :, :Sk], v[:, :, :Sk]
+    else:
+        q, k, v = random_qkv(request, shape, head_dim, dtype, layout, layout)
     check_forward(q, k, v, mask)
     ran = flashcore.last_kernel("fwd")
-    assert ("varlen" in ran) == packed_route_expected(shape, head_dim, layout == "bshd"), ran
+    assert ("varlen" in ran) == packed_route_expected(shape, head_dim), ran
 
 
 # FLASHCORE_PACK_GQA=always (an A/B switch, docs/PERFORMANCE.md): every dense GQA call in BSHD memory takes the
@@ -141,7 +148,7 @@ def test_backward_after_packed_forward(request):
     shape = (6, 32, 8, 40, 3000)
     q, k, v = (t.requires_grad_() for t in random_qkv(request, shape, 128, torch.bfloat16, "bshd", "bshd"))
     out = flashcore.attention(q, k, v, enable_gqa=True)
-    assert ("varlen" in flashcore.last_kernel("fwd")) == packed_route_expected(shape, 128, True)
+    assert ("varlen" in flashcore.last_kernel("fwd")) == packed_route_expected(shape, 128)
     dout = torch.randn(out.shape, generator=make_generator(request, DEV), device=DEV).to(out.dtype)
     got = torch.autograd.grad(out, (q, k, v), dout)
     low = torch.autograd.grad(lowp_attention(q, k, v), (q, k, v), dout)

@@ -751,3 +751,32 @@ def test_target_dtype_of_quantized_models():
     module.config._is_quantized = False
     with pytest.raises(TypeError, match="float16 or bfloat16"):
         fct._target_dtype(torch.zeros(1), module)
+
+
+def test_masked_attention_reads_a_static_cache_in_place():
+    """Under torch.compile a masked call against a static cache gives the varlen op the cache's (B, Hkv, capacity,
+    D) keys in place (_key_rows: entry b from row b x Hkv x capacity, the other heads' rows skipped through
+    seqused_k), not a copy of the cache; the output is what contiguous rows give and what a float64 reference gives.
+    Rows left-padded by different amounts, the slots past the written keys unwritten (garbage)."""
+    B, Hq, Hkv, Sq, cap, D, written = 3, 4, 2, 2, 11, 8, 9
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(B, Sq, Hq, D, generator=g)
+    cache_k, cache_v = (torch.randn(B, Hkv, cap, D, generator=g) for _ in range(2))
+    cache_k[:, :, written:], cache_v[:, :, written:] = 1e4, float("nan")  # never read
+    k, v = cache_k.transpose(1, 2), cache_v.transpose(1, 2)  # transformers' BSHD views
+    first = torch.tensor([0, 3, 6])
+    cols = torch.arange(cap)
+    mask = (cols[None, :] >= first[:, None]) & (cols[None, :] < written)
+    k_rows, _, step = fct._key_rows(k, v)
+    assert step == Hkv * cap and k_rows.data_ptr() == cache_k.data_ptr()
+    options = dict(is_causal=True, scale=None, window_size=None, softcap=0.0, sinks=None)
+    got = fct._masked_attention_in_graph(q, k, v, mask, True, options)
+    copied = fct._masked_attention_in_graph(q, k.contiguous(), v.contiguous(), mask, True, options)
+    torch.testing.assert_close(got, copied, rtol=0, atol=0)
+    for b in range(B):  # query i (position written - Sq + i) sees keys first[b] .. written - Sq + i
+        qb, kb, vb = (t[b].double().transpose(0, 1) for t in (q, k[:, first[b]:written], v[:, first[b]:written]))
+        kb, vb = kb.repeat_interleave(Hq // Hkv, 0), vb.repeat_interleave(Hq // Hkv, 0)
+        n = written - first[b]
+        visible = torch.arange(n)[None, :] <= torch.arange(n - Sq, n)[:, None]
+        want = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible).transpose(0, 1)
+        torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-5)

@@ -88,6 +88,7 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess by the 
         "install it with `pip install transformers`. Original error: " + str(e)
     ) from e
 
+from ..ops import _sdpa_style_attention
 from ..ops import attention as _attention
 from ..ops import varlen_attention as _varlen_attention
 
@@ -463,8 +464,7 @@ def _padded_attention(q, k, v, attention_mask, aligned, varlen):
         mask = mask[:, -Sk:]
     lengths_k = mask.sum(dim=-1, dtype=torch.int32)
     idx_k = mask.flatten().nonzero().flatten()
-    k_rows = k.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
-    v_rows = v.reshape(B * Sk, Hkv, D).index_select(0, idx_k)
+    k_rows, v_rows = k[idx_k // Sk, idx_k % Sk], v[idx_k // Sk, idx_k % Sk]  # the valid keys only: no cache copy
     cu_k, max_k = _cu_seqlens(lengths_k), int(lengths_k.max())
     if not aligned:
         # Encoders and cross-attention: the mask is the keys'; every query attends to its row's keys (padded query
@@ -487,9 +487,7 @@ def _padded_attention(q, k, v, attention_mask, aligned, varlen):
         lengths_q = mask_q.sum(dim=-1, dtype=torch.int32)
         idx_q = mask_q.flatten().nonzero().flatten()
         cu_q, max_q = _cu_seqlens(lengths_q), int(lengths_q.max())
-    q_rows = q.reshape(B * Sq, Hq, D)
-    if idx_q is not None:
-        q_rows = q_rows.index_select(0, idx_q)
+    q_rows = q.reshape(B * Sq, Hq, D) if idx_q is None else q[idx_q // Sq, idx_q % Sq]
     out = _varlen_attention(q_rows, k_rows, v_rows, cu_q, cu_k, max_q, max_k, **varlen)
     if idx_q is not None:
         out = out.new_zeros(B * Sq, Hq, D).index_copy(0, idx_q, out)
@@ -502,6 +500,25 @@ _MASK_NOT_ONE_RUN = (
     "ending at the queries (right padding followed by new tokens); pad on the left for generation, or run the "
     "model eagerly"
 )
+
+
+def _key_rows(k, v):
+    """k/v (B, Sk, Hkv, D) BSHD views as the varlen op's (rows, Hkv, D) tensors, and `step`: entry b's keys start at
+    row b x step. A cache in transformers' (B, Hkv, capacity, D) memory is read in place: the view's row stride is
+    one key's, so entry b starts at row b x (batch stride / key stride) and the rows between two entries (other
+    heads' keys, unwritten slots) are skipped through seqused_k, which the caller passes; its last row is entry
+    B-1's last key, so it spans the tensors' memory exactly. Rows are copied (step Sk) where the strides do not allow
+    it, and where gradients flow (the view overlaps itself; its backward would scatter through a slow path)."""
+    B, Sk, Hkv, D = k.shape
+    s, step = k.stride(1), (k.stride(0) // k.stride(1) if k.stride(1) > 0 else 0)
+    in_place = (B > 1 and s > 0 and k.stride() == v.stride() and k.shape == v.shape and k.stride(0) % s == 0
+                and Sk <= step and B * step < 2**31
+                and not (torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)))
+    if not in_place:
+        return k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D), Sk
+    rows = (B - 1) * step + Sk
+    view = lambda t: t.as_strided((rows, Hkv, D), (s, t.stride(2), t.stride(3)))  # noqa: E731
+    return view(k), view(v), step
 
 
 def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen):
@@ -529,11 +546,11 @@ def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen):
     if aligned:  # the queries are the last Sq columns of every row's run
         ok = ok & ((end == end.max()) | (count == 0)).all()
     torch._assert_async(ok, _MASK_NOT_ONE_RUN)
+    k_rows, v_rows, step = _key_rows(k, v)
     rows = torch.arange(B, device=q.device, dtype=torch.int32)
-    cu_k = torch.cat([rows * Sk + first, rows.new_full((1,), B * Sk)])
+    cu_k = torch.cat([rows * step + first, rows.new_full((1,), k_rows.shape[0])])
     cu_q = _equal_lengths(B, Sq, q.device)
-    out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D), cu_q,
-                            cu_k, Sq, Sk, seqused_k=count, **varlen)
+    out = _varlen_attention(q.reshape(B * Sq, Hq, D), k_rows, v_rows, cu_q, cu_k, Sq, Sk, seqused_k=count, **varlen)
     return out.view(B, Sq, Hq, D)
 
 
@@ -630,10 +647,11 @@ def attention_forward(
                 torch._assert_async(~restarts, _PACKED_UNDER_COMPILE)
         out = _attention(query, key, value, enable_gqa=Hq != Hkv, **options).transpose(1, 2)
     else:
-        # Dense against a cache (Sq != Sk): every sequence has Sq queries and Sk keys, bottom-right aligned.
-        cu_q, cu_k = _equal_lengths(B, Sq, query.device), _equal_lengths(B, Sk, query.device)
-        out = _varlen_attention(q.reshape(B * Sq, Hq, D), k.reshape(B * Sk, Hkv, D), v.reshape(B * Sk, Hkv, D),
-                                cu_q, cu_k, Sq, Sk, **varlen).view(B, Sq, Hq, D)
+        # Dense against a cache (Sq != Sk), bottom-right aligned: the dense op reads the cache's (B, Hkv, Sk, D)
+        # tensors in place (a decoding step runs the KV-cache kernel, a few queries under GQA the packed varlen
+        # kernel: attention_cuda.cpp); packing them into varlen rows would copy the whole cache every step.
+        out = _sdpa_style_attention(query, key, value, None, 0.0, is_causal, scaling, Hq != Hkv, False, False, window,
+                                    options["softcap"], options["sinks"], None, bottom_right=True).transpose(1, 2)
 
     if Dv != D:
         out = out[..., :Dv]

@@ -732,6 +732,46 @@ at::Tensor equal_offsets(int64_t batch, int64_t len, const at::TensorOptions& op
   return at::arange(0, (batch + 1) * len, len, options.dtype(at::kInt));
 }
 
+// A dense (B, H, S, D) tensor as packed (B * S, H, D) rows, read in place: where the batch is BSHD in memory (batch
+// stride = S x sequence stride, or one entry) and TMA can describe the rows; nullopt otherwise.
+std::optional<at::Tensor> bshd_rows(const at::Tensor& t) {
+  if (t.size(0) > 1 && t.stride(0) != t.size(2) * t.stride(2)) return std::nullopt;
+  at::Tensor r = t.as_strided({t.size(0) * t.size(2), t.size(1), t.size(3)}, {t.stride(2), t.stride(1), t.stride(3)});
+  return packed_tma_ready(r) ? std::optional<at::Tensor>(r) : std::nullopt;
+}
+
+// Dense (B, Hkv, Sk, D) keys and values as one varlen batch the kernel reads in place, whatever their batch stride.
+// Entry b's keys are rows [b x R, b x R + Sk) of a (rows, heads, dim) view whose row stride is the sequence stride,
+// R = batch stride / sequence stride: BSHD R = Sk (no gaps); BHSD R = heads x Sk, a static cache's slice R = heads x
+// capacity, the rows between two entries (other heads' keys, unwritten slots) skipped by seqused_k = Sk. The view's
+// last row is entry B-1's last key, so it spans exactly the tensor's memory. Needs K and V of the same R (one
+// cu_seqlens_k serves both), R whole and >= Sk (entries disjoint), int32 offsets and rows TMA can describe.
+struct PackedBatch {
+  at::Tensor key, value, cu_seqlens;
+  std::optional<at::Tensor> seqused;  // none where the rows are back to back
+};
+
+std::optional<PackedBatch> packed_batch_rows(const at::Tensor& key, const at::Tensor& value) {
+  const int64_t B = key.size(0), Sk = key.size(2);
+  const std::optional<at::Tensor> k_bshd = bshd_rows(key), v_bshd = bshd_rows(value);
+  if (k_bshd && v_bshd) return PackedBatch{*k_bshd, *v_bshd, equal_offsets(B, Sk, key.options()), std::nullopt};
+  const int64_t seq_stride = key.stride(2);
+  if (seq_stride <= 0 || value.stride(2) != seq_stride || key.stride(0) % seq_stride != 0 ||
+      value.stride(0) != key.stride(0))
+    return std::nullopt;
+  const int64_t R = key.stride(0) / seq_stride, rows = (B - 1) * R + Sk;
+  if (R < Sk || B * R > std::numeric_limits<int32_t>::max()) return std::nullopt;
+  auto view = [&](const at::Tensor& t) {
+    return t.as_strided({rows, t.size(1), t.size(3)}, {seq_stride, t.stride(1), t.stride(3)});
+  };
+  PackedBatch p{view(key), view(value), {}, {}};
+  if (!packed_tma_ready(p.key) || !packed_tma_ready(p.value)) return std::nullopt;
+  const auto ints = key.options().dtype(at::kInt);
+  p.cu_seqlens = at::arange(0, B * R + 1, R, ints).clamp_max_(rows);  // the last entry ends at the view's end
+  p.seqused = at::full({B}, Sk, ints);
+  return p;
+}
+
 // A dense op's outputs from the varlen forward of an equal-length batch (o (B * Sq, Hq, D), l (Hq, B * Sq)): out
 // (B, Sq, Hq, D), or with heads_first (B, Hq, Sq, D), taken as a view of o where out's strides (the op's promise:
 // like the query's) are o's already, else copied; lse (B, Hq, Sq) copied from the varlen layout.
@@ -841,13 +881,13 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
 }
 
 // Dense calls with a few queries a head against many keys under GQA (a chunked prefill or a speculative-decoding
-// check written against flash_attn_func or SDPA): the dense kernels' blocks hold one query head's few queries, and
-// every query head's block reads its K/V head again, while the Hopper varlen kernel packs the group's query heads
-// into one block's rows (sm90/fwd_sm90_pack_gqa.h). Taken on Hopper where it packs, the queries fill at most half of
-// a block of one head and more than half of a packed block (or the keys are long: kPackedLongKeys), the packed grid
-// has at least a third as many blocks as SMs, and query, key and value are BSHD in memory (each a packed (rows,
-// heads, dim) view: batch stride = seq_len x seq stride). Writes out and lse as the dense kernels would (the backward
-// reads them as it reads theirs); returns false (nothing done) otherwise.
+// check written against flash_attn_func, SDPA or transformers): the dense kernels' blocks hold one query head's few
+// queries, and every query head's block reads its K/V head again, while the Hopper varlen kernel packs the group's
+// query heads into one block's rows (sm90/fwd_sm90_pack_gqa.h). Taken on Hopper where it packs, the queries fill at
+// most half of a block of one head and more than half of a packed block (or the keys are long: kPackedLongKeys), and
+// the packed grid has at least a third as many blocks as SMs. The varlen kernel reads (rows, heads, dim) tensors:
+// see packed_batch_rows for how any batch stride is read in place. Writes out and lse as the dense kernels would
+// (the backward reads them as it reads theirs); returns false (nothing done) otherwise.
 bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                             const cudaDeviceProp& prop, double softmax_scale, bool is_causal, bool causal_bottom_right,
                             int64_t window_left, int64_t window_right, double softcap,
@@ -867,16 +907,15 @@ bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, cons
   if (grid.heads < 2 || (!always && (2 * Sq > grid.block_m || !(grid.mostly_full(Sq) || long_keys))) ||
       3 * grid.blocks(B, Hq, Sq) < prop.multiProcessorCount)
     return false;
-  auto rows = [&](const at::Tensor& t) -> std::optional<at::Tensor> {  // (B, H, S, D) as (B * S, H, D)
-    if (t.size(0) > 1 && t.stride(0) != t.size(2) * t.stride(2)) return std::nullopt;
-    at::Tensor r = t.as_strided({t.size(0) * t.size(2), t.size(1), t.size(3)}, {t.stride(2), t.stride(1), t.stride(3)});
-    return packed_tma_ready(r) ? std::optional<at::Tensor>(r) : std::nullopt;
-  };
-  const std::optional<at::Tensor> q = rows(query), k = rows(key), v = rows(value);
-  if (!q || !k || !v) return false;
-  auto [o, l] = run_varlen_fwd(*q, *k, *v, equal_offsets(B, Sq, query.options()), equal_offsets(B, Sk, query.options()),
+  const std::optional<PackedBatch> keys = packed_batch_rows(key, value);
+  if (!keys) return false;
+  // The queries are few (at most half a block a head): rows in place where the batch is BSHD, else a BSHD copy.
+  std::optional<at::Tensor> q = bshd_rows(query);
+  if (!q) q = query.transpose(1, 2).contiguous().view({B * Sq, Hq, D});
+  if (!packed_tma_ready(*q)) return false;
+  auto [o, l] = run_varlen_fwd(*q, keys->key, keys->value, equal_offsets(B, Sq, query.options()), keys->cu_seqlens,
                                Sq, Sk, softmax_scale, is_causal, window_left, window_right, softcap, sinks,
-                               alibi_slopes, std::nullopt, /*short_rows_on_sm90=*/true, nullptr, causal_bottom_right);
+                               alibi_slopes, keys->seqused, /*short_rows_on_sm90=*/true, nullptr, causal_bottom_right);
   adopt_varlen_outputs(o, l, B, Sq, /*heads_first=*/true, out, lse);
   return true;
 }
