@@ -521,18 +521,10 @@ def _key_rows(k, v):
     return view(k), view(v), step
 
 
-def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen):
-    """_padded_attention without host reads, for torch.compile: the valid keys of each row must form one run
-    (left padding, a static cache's written slots, an encoder's right padding; a causal mask's right padding among
-    the queries is made part of the run by padding_mask), given to the varlen op in place as a sequence that starts
-    at the run (cu_seqlens_k) and uses its length (seqused_k), with every query row of the row. aligned (causal or
-    windowed): the queries are the run's last Sq positions (bottom-right), so every row's run must end at the same
-    column, the last query's; padded query rows before a left-padded run see no key and give 0. The longest
-    lengths passed are the shapes' (bounds, as the op allows). A mask of another form fails a device-side check
-    (on CUDA a device assert, which ends the process's CUDA context: run such inputs eagerly).
-    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) BSHD views; returns out (B, Sq, Hq, D)."""
-    B, Sq, Hq, D = q.shape
-    Sk, Hkv = k.shape[1], k.shape[2]
+def _mask_runs(q, attention_mask, Sk, aligned):
+    """The padding mask fitted to Sk keys as one run of valid keys a row: (first, count) int32 (B,), and a 0-d bool
+    tensor, whether the mask is of that form (for aligned calls, every row's run ending at the same column, the last
+    query's, or empty). On the device: no host read."""
     mask = attention_mask.to(device=q.device, dtype=torch.bool)
     if mask.shape[1] < Sk:  # slots past the mask were never written
         mask = F.pad(mask, (0, Sk - mask.shape[1]))
@@ -545,6 +537,23 @@ def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen):
     ok = ((pos >= first[:, None]) & (pos < end[:, None]) == mask).all()
     if aligned:  # the queries are the last Sq columns of every row's run
         ok = ok & ((end == end.max()) | (count == 0)).all()
+    return first, count, ok
+
+
+def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen, runs=None):
+    """_padded_attention without host reads, for torch.compile, and eagerly for left-padded calls against a cache
+    (no gather of the cache's valid keys): the valid keys of each row must form one run (left padding, a static
+    cache's written slots, an encoder's right padding; a causal mask's right padding among the queries is made part
+    of the run by padding_mask), given to the varlen op in place as a sequence that starts at the run (cu_seqlens_k)
+    and uses its length (seqused_k), with every query row of the row. aligned (causal or windowed): the queries are
+    the run's last Sq positions (bottom-right), so every row's run must end at the same column, the last query's;
+    padded query rows before a left-padded run see no key and give 0. The longest lengths passed are the shapes'
+    (bounds, as the op allows). A mask of another form fails a device-side check (on CUDA a device assert, which
+    ends the process's CUDA context: run such inputs eagerly). runs: _mask_runs' result where the caller has it.
+    q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) BSHD views; returns out (B, Sq, Hq, D)."""
+    B, Sq, Hq, D = q.shape
+    Sk = k.shape[1]
+    first, count, ok = _mask_runs(q, attention_mask, Sk, aligned) if runs is None else runs
     torch._assert_async(ok, _MASK_NOT_ONE_RUN)
     k_rows, v_rows, step = _key_rows(k, v)
     rows = torch.arange(B, device=q.device, dtype=torch.int32)
@@ -622,7 +631,13 @@ def attention_forward(
         # run, but its queries are not the run's last.)
         out = _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen)
     elif attention_mask is not None:
-        out = _padded_attention(q, k, v, attention_mask, aligned, varlen)
+        # Against a cache, a mask of one run a row (left padding) reads the cache in place; otherwise the valid keys
+        # are gathered (one host read either way).
+        runs = _mask_runs(q, attention_mask, Sk, aligned) if Sq < Sk else None
+        if runs is not None and bool(runs[2]):
+            out = _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen, runs)
+        else:
+            out = _padded_attention(q, k, v, attention_mask, aligned, varlen)
     elif all(x is not None for x in (cu_seq_lens_q, cu_seq_lens_k, max_length_q, max_length_k)):
         # Padding-free batch with precomputed boundaries (DataCollatorWithFlattening(return_flash_attn_kwargs=True)).
         cu_q = cu_seq_lens_q.to(device=query.device, dtype=torch.int32)
