@@ -128,6 +128,75 @@ def test_forward_gqa_few_queries(request, dtype, head_dim, mask, shape, layout):
     assert ("varlen" in ran) == packed_route_expected(shape, head_dim), ran
 
 
+def decode_rows_expected(shape, head_dim):
+    """Whether a dense call with a few queries a head under GQA runs on the KV-cache kernel (attention_cuda.cpp:
+    dense_decode_step): a KV head's query rows (Sq x group) at most 64, 2048 keys or more and at least 512 keys (all
+    entries together) a row, and at most 16 rows where the packed varlen route would take the call."""
+    B, Hq, Hkv, Sq, Sk = shape
+    rows = Sq * (Hq // Hkv)
+    if Sq < 2 or Hq == Hkv or rows > 64 or Sk < 2048 or B * Sk < 512 * rows:
+        return False
+    return rows <= 16 or not packed_route_expected(shape, head_dim)
+
+
+# A few queries a head under GQA over long keys (a speculative-decoding check): the KV-cache kernel, a KV head's
+# group x Sq rows a block, where its rule says (decode_rows_expected), the dense or packed kernels elsewhere; both
+# causal alignments (top-left: the queries see the first keys only), and the variants (window, softcap, sinks,
+# ALiBi) against the float64 reference.
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
+@pytest.mark.parametrize("shape", [(1, 8, 2, 4, 9000), (3, 16, 2, 2, 3000), (2, 32, 8, 16, 16400),
+                                   (1, 8, 2, 16, 5000), (8, 32, 8, 8, 4096)], ids=lambda s: "x".join(map(str, s)))
+def test_forward_gqa_decode_rows(request, dtype, head_dim, mask, shape):
+    layout = "bshd" if shape[0] % 2 else "bhsd"
+    q, k, v = random_qkv(request, shape, head_dim, dtype, layout, layout)
+    check_forward(q, k, v, mask)
+    ran = flashcore.last_kernel("fwd")
+    want = decode_rows_expected(shape, head_dim) and torch.cuda.get_device_capability() >= (8, 0)
+    assert ran.startswith("decode") == want, ran
+
+
+@pytest.mark.parametrize("variant", ["window", "softcap", "sinks", "alibi"])
+def test_forward_gqa_decode_rows_variants(request, variant):
+    B, Hq, Hkv, Sq, Sk, D = 2, 16, 4, 4, 5000, 128
+    q, k, v = random_qkv(request, (B, Hq, Hkv, Sq, Sk), D, torch.bfloat16, "bshd", "bshd")
+    g = make_generator(request, DEV)
+    window, softcap, sinks, slopes = (-1, -1), 0.0, None, None
+    if variant == "window":
+        window = (700, 0)
+    elif variant == "softcap":
+        softcap, q = 20.0, q * 4
+    elif variant == "sinks":
+        sinks = torch.randn(Hq, generator=g, device=DEV) * 3
+    else:
+        slopes = torch.rand(Hq, generator=g, device=DEV) * 0.1
+    sc = 1 / math.sqrt(D)
+    out, _ = torch.ops.flashcore.fwd(q, k, v, sc, True, True, *window, softcap, False, sinks, slopes)
+    assert flashcore.last_kernel("fwd").startswith("decode"), flashcore.last_kernel("fwd")
+    mask = dict(window=window, softcap=softcap, sinks=sinks, alibi=slopes)
+    ref, _ = reference_attention(q, k, v, True, sc, Sk - Sq, **mask)
+    check_close("out", out, ref, lowp_attention(q, k, v, True, sc, Sk - Sq, **mask))
+
+
+def test_backward_after_decode_rows_forward(request):
+    """The dense backward takes the out and lse the KV-cache kernel wrote for a few queries a head (bottom-right
+    causal, BHSD)."""
+    shape = (2, 16, 4, 4, 5000)
+    q, k, v = (t.requires_grad_() for t in random_qkv(request, shape, 128, torch.bfloat16, "bhsd", "bhsd"))
+    out = flashcore.flash_attn_func(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True)
+    assert flashcore.last_kernel("fwd").startswith("decode"), flashcore.last_kernel("fwd")
+    out = out.transpose(1, 2)
+    dout = torch.randn(out.shape, generator=make_generator(request, DEV), device=DEV).to(out.dtype)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    offset = shape[4] - shape[3]
+    low = torch.autograd.grad(lowp_attention(q, k, v, True, None, offset), (q, k, v), dout)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    want = torch.autograd.grad(reference_attention(q64, k64, v64, True, None, offset)[0], (q64, k64, v64),
+                               dout.double())
+    check_gradients(got, want, low)
+
+
 # FLASHCORE_PACK_GQA=always (an A/B switch, docs/PERFORMANCE.md): every dense GQA call in BSHD memory takes the
 # packed varlen kernel, however many queries a head, with the largest pack the block's rows allow.
 @pytest.mark.parametrize("head_dim", [64, 128, 256])

@@ -651,6 +651,24 @@ def test_kvcache_longest_first_cuda(request, monkeypatch, num_splits, page_size,
 
 @pytest.mark.gpu
 @requires_cuda
+def test_dense_decode_step_keeps_index_order_cuda(request):
+    """The dense op's decode step (one query against dense K/V: every entry full, no lengths) over more blocks than
+    resident slots is not ranked longest first, which would only cost the ranking's load round (decode_launch.cu);
+    exact against the reference."""
+    B, Hq, Hkv, Sk, D = 200, 32, 8, 1024, 128
+    g = make_generator(request, "cuda")
+    q = torch.randn(B, Hq, 1, D, generator=g, device="cuda").to(torch.bfloat16)
+    k, v = (torch.randn(B, Hkv, Sk, D, generator=g, device="cuda").to(torch.bfloat16) for _ in range(2))
+    out = flashcore.attention(q, k, v, enable_gqa=True)
+    ran = flashcore.last_kernel("fwd")
+    assert "decode" in ran and "longest-first" not in ran, ran
+    kr, vr = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
+    want = torch.nn.functional.scaled_dot_product_attention(q.double(), kr.double(), vr.double())
+    check_close("out", out, want, lowp_attention(q, kr, vr, False, 1 / math.sqrt(D), 0))
+
+
+@pytest.mark.gpu
+@requires_cuda
 @pytest.mark.parametrize("num_splits", [2, 3, 5, 8], ids=lambda s: f"splits{s}")
 @pytest.mark.parametrize("variant", ["plain", "all"])
 @pytest.mark.parametrize("page_size", [None, 16], ids=lambda p: f"page{p}" if p else "dense")

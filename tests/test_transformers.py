@@ -780,3 +780,31 @@ def test_masked_attention_reads_a_static_cache_in_place():
         visible = torch.arange(n)[None, :] <= torch.arange(n - Sq, n)[:, None]
         want = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=visible).transpose(0, 1)
         torch.testing.assert_close(got[b].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_mask_verdict_found_once_per_mask(monkeypatch):
+    """Eager calls against a cache with a left-padding mask: the first layer finds the mask one run a row (a host
+    read) and stores the verdict on the mask tensor; the next layers, given the same tensor, reuse it; an in-place
+    change of the mask (its version counter) makes the next call look again, and a mask that is no longer one run a
+    row then takes the gathering path, with the same output as a fresh mask tensor."""
+    B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 1, 9, 8
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, Hq, Sq, D, generator=g)
+    k, v = (torch.randn(B, Hkv, Sk, D, generator=g) for _ in range(2))
+    mask = torch.ones(B, Sk, dtype=torch.bool)
+    mask[1, :3] = False  # left padding
+    calls = []
+    monkeypatch.setattr(fct, "_mask_runs", lambda *a: calls.append(1) or _mask_runs(*a))
+    module = torch.nn.Linear(1, 1)
+    module.is_causal = True
+    first = fct.attention_forward(module, q, k, v, mask)[0]
+    second = fct.attention_forward(module, q, k, v, mask)[0]
+    assert len(calls) == 1 and torch.equal(first, second)
+    mask[0, 4] = False  # no longer one run in row 0
+    got = fct.attention_forward(module, q, k, v, mask)[0]
+    assert len(calls) == 2
+    torch.testing.assert_close(got, fct.attention_forward(module, q, k, v, mask.clone())[0], rtol=0, atol=0)
+    assert not torch.equal(got, first)
+
+
+_mask_runs = fct._mask_runs

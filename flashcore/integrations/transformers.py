@@ -540,6 +540,24 @@ def _mask_runs(q, attention_mask, Sk, aligned):
     return first, count, ok
 
 
+def _one_run_a_row(q, attention_mask, Sk, aligned):
+    """Eagerly: (first, count) of _mask_runs where the mask is one run of keys a row, else None. Found once per
+    mask: transformers hands every layer the same mask tensor, so the layers after the first take the verdict
+    stored on it (keyed by Sk, alignment, device and the tensor's version counter, which in-place writes bump)
+    instead of each reading it on the host, a sync that would stall the host's run-ahead every layer."""
+    key = (Sk, aligned, q.device, attention_mask._version)
+    stored = getattr(attention_mask, "_fcore_runs", None)
+    if stored is not None and stored[0] == key:
+        return stored[1]
+    first, count, ok = _mask_runs(q, attention_mask, Sk, aligned)
+    runs = (first, count) if bool(ok) else None
+    try:
+        attention_mask._fcore_runs = (key, runs)
+    except (AttributeError, RuntimeError):  # a tensor subclass without a __dict__: no reuse
+        pass
+    return runs
+
+
 def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen, runs=None):
     """_padded_attention without host reads, for torch.compile, and eagerly for left-padded calls against a cache
     (no gather of the cache's valid keys): the valid keys of each row must form one run (left padding, a static
@@ -549,12 +567,16 @@ def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen, runs=No
     the run's last Sq positions (bottom-right), so every row's run must end at the same column, the last query's;
     padded query rows before a left-padded run see no key and give 0. The longest lengths passed are the shapes'
     (bounds, as the op allows). A mask of another form fails a device-side check (on CUDA a device assert, which
-    ends the process's CUDA context: run such inputs eagerly). runs: _mask_runs' result where the caller has it.
+    ends the process's CUDA context: run such inputs eagerly). runs: (first, count) of a mask the caller has found
+    to be of that form.
     q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) BSHD views; returns out (B, Sq, Hq, D)."""
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
-    first, count, ok = _mask_runs(q, attention_mask, Sk, aligned) if runs is None else runs
-    torch._assert_async(ok, _MASK_NOT_ONE_RUN)
+    if runs is None:
+        first, count, ok = _mask_runs(q, attention_mask, Sk, aligned)
+        torch._assert_async(ok, _MASK_NOT_ONE_RUN)
+    else:  # checked on the host by the caller
+        first, count = runs
     k_rows, v_rows, step = _key_rows(k, v)
     rows = torch.arange(B, device=q.device, dtype=torch.int32)
     cu_k = torch.cat([rows * step + first, rows.new_full((1,), k_rows.shape[0])])
@@ -633,8 +655,8 @@ def attention_forward(
     elif attention_mask is not None:
         # Against a cache, a mask of one run a row (left padding) reads the cache in place; otherwise the valid keys
         # are gathered (one host read either way).
-        runs = _mask_runs(q, attention_mask, Sk, aligned) if Sq < Sk else None
-        if runs is not None and bool(runs[2]):
+        runs = _one_run_a_row(q, attention_mask, Sk, aligned) if Sq < Sk else None
+        if runs is not None:
             out = _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen, runs)
         else:
             out = _padded_attention(q, k, v, attention_mask, aligned, varlen)

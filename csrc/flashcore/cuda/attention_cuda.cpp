@@ -507,6 +507,25 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_decode_step(const at::Tensor& quer
   return {out, lse};
 }
 
+// dense_on_packed_varlen's rule for a call's sizes (the tensors' layouts aside): on Hopper, under GQA, where the
+// group's query heads pack, the queries fill at most half of a block of one head and more than half of a packed
+// block (or the keys are long: kPackedLongKeys), and the packed grid has at least a third as many blocks as SMs.
+bool packed_route_applies(const at::Tensor& query, const at::Tensor& key, bool score_mod, const cudaDeviceProp& prop) {
+  const int64_t B = query.size(0), Hq = query.size(1), Sq = query.size(2), D = query.size(3);
+  const int64_t Hkv = key.size(1), Sk = key.size(2);
+  if (!is_hopper(prop) || Hkv >= Hq || forced_fwd_family() == "sm80" ||
+      (B + 1) * std::max(Sq, Sk) > std::numeric_limits<int32_t>::max())
+    return false;
+  const cuda::FwdKernelEntry* sm90 = sm90_varlen_fwd_entry(D, query.scalar_type(), score_mod);
+  if (sm90 == nullptr) return false;
+  const int pack_mode = pack_gqa_mode();
+  const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, Hkv, Sq, sm90->head_dim_tile, pack_mode);
+  const bool always = pack_mode == 2;
+  const bool long_keys = Sq > 1 && Sk >= kPackedLongKeys;  // one query: the decode routes' (dense_decode_step)
+  return grid.heads >= 2 && (always || (2 * Sq <= grid.block_m && (grid.mostly_full(Sq) || long_keys))) &&
+         3 * grid.blocks(B, Hq, Sq) >= prop.multiProcessorCount;
+}
+
 // A dense decode step, one query a head (flash_attn_func or attention() in a generation loop over a contiguous
 // cache): the KV-cache kernel too, where the dense kernels hold one query in a block of 64 or more rows per query
 // head, read a KV head's keys once per query head and split the keys only where the grid is small (H200, 32 / 8
@@ -519,16 +538,34 @@ std::tuple<at::Tensor, at::Tensor> run_varlen_decode_step(const at::Tensor& quer
 // call); the mask is the op's own, either causal alignment. Writes out and lse as the dense kernels would (the same
 // layouts); false, nothing done, where a kernel family is forced or the grid would not fit.
 constexpr int64_t kDenseDecodeMinKeys = 1024, kDenseDecodeOneWaveMinKeys = 2048;
+// A few queries a head under GQA (a speculative-decoding check, a short chunk against a cache) take the same
+// kernel, its block a KV head's query heads x Sq rows (at most kDecodeRowsMax), reading the head's keys once and
+// splitting them over the GPU, where the dense kernels read them once a query head in a grid they split at most 3
+// ways. H200, hd128 bf16, Hq 32, graph us dense / KV-cache kernel: 4 query heads a KV head, 1 x 16 queries x 32k
+// keys 94.6 / 66.9, 1 x 4 x 16k 50.9 / 28.6, 4 x 8 x 8k 68.6 / 53.5; 8 a KV head, 8 x 2 x 32k 700.9 / 130.7 (the
+// packed varlen grid too small to take it). The kernel's time grows with its rows, the dense kernels' with the
+// keys, so it takes calls with at least kDecodeRowsKeysPerRow keys (all entries together) a row of its block: the
+// dense kernels keep 1 x 16 x 8k (28.9 / 40.7) and 2 x 16 x 4k (23.0 / 39.2). Where the packed varlen kernel would
+// run (grids of a third of the SMs), it takes at most kDecodeRowsOverPacked rows: 8 x 4 x 8k 81.0 packed / 71.4,
+// 8 x 8 x 8k 80.8 / 83.2, 8 x 16 x 8k 81.9 / 94.6. Measured from 2048 keys (kDecodeRowsMinKeys).
+constexpr int64_t kDecodeRowsMax = 64, kDecodeRowsKeysPerRow = 512, kDecodeRowsOverPacked = 16,
+                  kDecodeRowsMinKeys = 2048;
 
 bool dense_decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const AttentionOptions& opts, const cudaDeviceProp& prop, at::Tensor& out, at::Tensor& lse) {
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
-  const int64_t B = query.size(0), Sq = query.size(2), Hkv = key.size(1), Sk = key.size(2);
-  if (Sq != 1 || Sk < kDenseDecodeMinKeys || Sk > kIntMax || B * Hkv > kIntMax || !forced_fwd_family().empty() ||
-      !decode_kernel_fits(query.size(1) / Hkv, query.size(3), prop))
+  const int64_t B = query.size(0), Hq = query.size(1), Sq = query.size(2), Hkv = key.size(1), Sk = key.size(2);
+  const int64_t rows = Sq * (Hq / Hkv);  // a KV head's query rows
+  if (Sk < kDenseDecodeMinKeys || Sk > kIntMax || B * Hkv > kIntMax || !forced_fwd_family().empty() ||
+      !decode_kernel_fits(rows, query.size(3), prop))
     return false;
-  // One wave of the dense kernels' blocks over short caches: their compact block is quicker.
-  if (Sk < kDenseDecodeOneWaveMinKeys && B * query.size(1) <= prop.multiProcessorCount) return false;
+  if (Sq > 1) {
+    if (Hq == Hkv || rows > kDecodeRowsMax || Sk < kDecodeRowsMinKeys || B * Sk < kDecodeRowsKeysPerRow * rows)
+      return false;
+    if (rows > kDecodeRowsOverPacked && packed_route_applies(query, key, transforms_scores(opts), prop)) return false;
+  } else if (Sk < kDenseDecodeOneWaveMinKeys && B * Hq <= prop.multiProcessorCount) {
+    return false;  // one wave of the dense kernels' blocks over short caches: their compact block is quicker
+  }
   const KvCacheArgs args;  // every entry full (no cache_seqlens)
   // (batch, seq, heads, dim) views, as the KV-cache op takes its query and caches
   DecodeParams p = make_decode_params(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
@@ -893,20 +930,8 @@ bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, cons
                             int64_t window_left, int64_t window_right, double softcap,
                             const std::optional<at::Tensor>& sinks, const std::optional<at::Tensor>& alibi_slopes,
                             bool score_mod, at::Tensor& out, at::Tensor& lse) {
-  const int64_t B = query.size(0), Hq = query.size(1), Sq = query.size(2), D = query.size(3);
-  const int64_t Hkv = key.size(1), Sk = key.size(2);
-  if (!is_hopper(prop) || Hkv >= Hq || forced_fwd_family() == "sm80" ||
-      (B + 1) * std::max(Sq, Sk) > std::numeric_limits<int32_t>::max())
-    return false;
-  const cuda::FwdKernelEntry* sm90 = sm90_varlen_fwd_entry(D, query.scalar_type(), score_mod);
-  if (sm90 == nullptr) return false;
-  const int pack_mode = pack_gqa_mode();
-  const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, Hkv, Sq, sm90->head_dim_tile, pack_mode);
-  const bool always = pack_mode == 2;
-  const bool long_keys = Sq > 1 && Sk >= kPackedLongKeys;  // one query: the decode routes' (dense_decode_step)
-  if (grid.heads < 2 || (!always && (2 * Sq > grid.block_m || !(grid.mostly_full(Sq) || long_keys))) ||
-      3 * grid.blocks(B, Hq, Sq) < prop.multiProcessorCount)
-    return false;
+  const int64_t B = query.size(0), Hq = query.size(1), Sq = query.size(2), D = query.size(3), Sk = key.size(2);
+  if (!packed_route_applies(query, key, score_mod, prop)) return false;
   const std::optional<PackedBatch> keys = packed_batch_rows(key, value);
   if (!keys) return false;
   // The queries are few (at most half a block a head): rows in place where the batch is BSHD, else a BSHD copy.
