@@ -353,7 +353,8 @@ constexpr int64_t kVarlenSm90MinRows = 64;
 // once a query head, and its small grids split their keys (more than one query a sequence: a decode step keeps
 // the routes made for it). H200, Hq 32 / Hkv 8, hd128 bf16, causal, graph us,
 // flash_attn_varlen_func mma.sync / Hopper: 8 sequences of 16 queries on 8192 keys 425.1 / 74.8, of 8 420.4 / 74.3,
-// 4 of 16 on 4096 150.7 / 36.7; flash_attn_func (BSHD) dense / packed: 8 x 16 on 8192 186.1 / 78.6.
+// 4 of 16 on 4096 150.7 / 36.7; flash_attn_func (BSHD) dense / packed: 8 x 16 on 8192 186.1 / 78.6. No minimum
+// grid: a single sequence's few blocks split their keys, 1 x 16 on 8192 295.5 / 54.3, 1 x 16 on 32768 1164 / 192.
 constexpr int64_t kPackedLongKeys = 1024;
 
 // The sm90 entry built for varlen: the plain kernel unless the scores are transformed (score_mod.h), else the
