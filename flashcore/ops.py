@@ -309,15 +309,6 @@ def attention(
     (B, Hq, Sq) natural-log log-sum-exp of each row of logits, sinks included (float32; float64 for float64
     inputs; not differentiable).
     """
-    return _sdpa_style_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                                 deterministic, window_size, softcap, sinks, alibi_slopes, bottom_right=False)
-
-
-def _sdpa_style_attention(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, return_lse,
-                          deterministic, window_size, softcap, sinks, alibi_slopes, bottom_right):
-    """attention()'s body. bottom_right: the causal mask and the window aligned bottom-right (flash-attn's rule,
-    query i of Sq sees keys up to i + Sk - Sq), for callers that attend new queries to a cache in SDPA's (B, H, S, D)
-    layout (the transformers backend); attention() itself aligns top-left, as SDPA does."""
     _check_tensor(query, "query")
     _check_tensor(key, "key")
     _check_tensor(value, "value")
@@ -378,7 +369,7 @@ def _sdpa_style_attention(query, key, value, attn_mask, dropout_p, is_causal, sc
     softcap = float_arg(softcap, "softcap", fn, default=0.0, float32=True)
     (query, key, value), _ = pad_head_dim([query, key, value])
     fwd = FunctorchAttention.apply if transforms_active() else _fwd_op  # torch.func: a Python autograd node
-    out, lse = fwd(query, key, value, softmax_scale, bool(is_causal), bool(bottom_right), left, right, softcap, bool(deterministic),
+    out, lse = fwd(query, key, value, softmax_scale, bool(is_causal), False, left, right, softcap, bool(deterministic),
                    sinks, alibi_slopes)
     if out.size(-1) != v_dim:
         out = _dense_slice(out, v_dim)

@@ -131,10 +131,11 @@ def test_forward_gqa_few_queries(request, dtype, head_dim, mask, shape, layout):
 def decode_rows_expected(shape, head_dim):
     """Whether a dense call with a few queries a head under GQA runs on the KV-cache kernel (attention_cuda.cpp:
     dense_decode_step): a KV head's query rows (Sq x group) at most 64, 2048 keys or more and at least 512 keys (all
-    entries together) a row, and at most 16 rows where the packed varlen route would take the call."""
+    entries together) a row, and at most 16 rows where the packed varlen route would take the call; on Hopper."""
     B, Hq, Hkv, Sq, Sk = shape
     rows = Sq * (Hq // Hkv)
-    if Sq < 2 or Hq == Hkv or rows > 64 or Sk < 2048 or B * Sk < 512 * rows:
+    if torch.cuda.get_device_capability() != (9, 0) or Sq < 2 or Hq == Hkv or rows > 64 or Sk < 2048 or \
+            B * Sk < 512 * rows:
         return False
     return rows <= 16 or not packed_route_expected(shape, head_dim)
 
@@ -153,8 +154,7 @@ def test_forward_gqa_decode_rows(request, dtype, head_dim, mask, shape):
     q, k, v = random_qkv(request, shape, head_dim, dtype, layout, layout)
     check_forward(q, k, v, mask)
     ran = flashcore.last_kernel("fwd")
-    want = decode_rows_expected(shape, head_dim) and torch.cuda.get_device_capability() >= (8, 0)
-    assert ran.startswith("decode") == want, ran
+    assert ran.startswith("decode") == decode_rows_expected(shape, head_dim), ran
 
 
 @pytest.mark.parametrize("variant", ["window", "softcap", "sinks", "alibi"])

@@ -805,6 +805,14 @@ def test_mask_verdict_found_once_per_mask(monkeypatch):
     assert len(calls) == 2
     torch.testing.assert_close(got, fct.attention_forward(module, q, k, v, mask.clone())[0], rtol=0, atol=0)
     assert not torch.equal(got, first)
+    with torch.inference_mode():  # an inference tensor has no version counter: found every call, never stored
+        inference_mask = mask.clone()
+        inference_mask[0, 4] = True
+        calls.clear()
+        for _ in range(2):
+            torch.testing.assert_close(fct.attention_forward(module, q, k, v, inference_mask)[0], first, rtol=0,
+                                       atol=0)
+        assert len(calls) == 2 and not hasattr(inference_mask, "_fcore_runs")
 
 
 _mask_runs = fct._mask_runs

@@ -88,7 +88,7 @@ except ImportError as e:  # pragma: no cover - exercised in a subprocess by the 
         "install it with `pip install transformers`. Original error: " + str(e)
     ) from e
 
-from ..ops import _sdpa_style_attention
+from ..flash_attn_interface import _attention_bshd
 from ..ops import attention as _attention
 from ..ops import varlen_attention as _varlen_attention
 
@@ -543,18 +543,21 @@ def _mask_runs(q, attention_mask, Sk, aligned):
 def _one_run_a_row(q, attention_mask, Sk, aligned):
     """Eagerly: (first, count) of _mask_runs where the mask is one run of keys a row, else None. Found once per
     mask: transformers hands every layer the same mask tensor, so the layers after the first take the verdict
-    stored on it (keyed by Sk, alignment, device and the tensor's version counter, which in-place writes bump)
-    instead of each reading it on the host, a sync that would stall the host's run-ahead every layer."""
-    key = (Sk, aligned, q.device, attention_mask._version)
+    stored on it (keyed by Sk, alignment, device and the tensor's version counter, which in-place writes bump;
+    not for inference tensors, which have none) instead of each reading it on the host, a sync that would stall
+    the host's run-ahead every layer."""
+    # An inference tensor (a mask built under torch.inference_mode) has no version counter to key on: no reuse.
+    key = None if attention_mask.is_inference() else (Sk, aligned, q.device, attention_mask._version)
     stored = getattr(attention_mask, "_fcore_runs", None)
-    if stored is not None and stored[0] == key:
+    if key is not None and stored is not None and stored[0] == key:
         return stored[1]
     first, count, ok = _mask_runs(q, attention_mask, Sk, aligned)
     runs = (first, count) if bool(ok) else None
-    try:
-        attention_mask._fcore_runs = (key, runs)
-    except (AttributeError, RuntimeError):  # a tensor subclass without a __dict__: no reuse
-        pass
+    if key is not None:
+        try:
+            attention_mask._fcore_runs = (key, runs)
+        except (AttributeError, RuntimeError):  # a tensor subclass without a __dict__: no reuse
+            pass
     return runs
 
 
@@ -684,11 +687,12 @@ def attention_forward(
                 torch._assert_async(~restarts, _PACKED_UNDER_COMPILE)
         out = _attention(query, key, value, enable_gqa=Hq != Hkv, **options).transpose(1, 2)
     else:
-        # Dense against a cache (Sq != Sk), bottom-right aligned: the dense op reads the cache's (B, Hkv, Sk, D)
-        # tensors in place (a decoding step runs the KV-cache kernel, a few queries under GQA the packed varlen
-        # kernel: attention_cuda.cpp); packing them into varlen rows would copy the whole cache every step.
-        out = _sdpa_style_attention(query, key, value, None, 0.0, is_causal, scaling, Hq != Hkv, False, False, window,
-                                    options["softcap"], options["sinks"], None, bottom_right=True).transpose(1, 2)
+        # Dense against a cache (Sq != Sk), bottom-right aligned as flash_attn_func is (transformers'
+        # flash_attention_2 calls it here): the dense op reads the cache's (B, Hkv, Sk, D) tensors in place (a
+        # decoding step or a few queries under GQA run the KV-cache kernel, more the packed varlen kernel:
+        # attention_cuda.cpp); packing them into varlen rows would copy the whole cache every step.
+        out = _attention_bshd(q, k, v, 0.0, scaling, is_causal, window or (-1, -1), options["softcap"], None, False,
+                              False, f"attn_implementation={NAME!r}", sinks=options["sinks"])
 
     if Dv != D:
         out = out[..., :Dv]

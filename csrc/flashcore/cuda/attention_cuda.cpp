@@ -111,7 +111,8 @@ bool dense_on_packed_varlen(const at::Tensor& query, const at::Tensor& key, cons
                             bool score_mod, at::Tensor& out, at::Tensor& lse);
 
 bool dense_decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       const AttentionOptions& opts, const cudaDeviceProp& prop, at::Tensor& out, at::Tensor& lse);
+                       const AttentionOptions& opts, const cudaDeviceProp& prop, bool after_packed_route,
+                       at::Tensor& out, at::Tensor& lse);
 
 std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at::Tensor& key_in,
                                             const at::Tensor& value_in, double softmax_scale, bool is_causal,
@@ -132,10 +133,14 @@ std::tuple<at::Tensor, at::Tensor> fwd_cuda(const at::Tensor& query_in, const at
   const at::Tensor value = aligned_for_16b_loads(value_in);
   const FwdParams p = make_fwd_params(query, key, value, out, lse, opts);
   if (fwd_is_trivial(p, out, lse, opts)) return {out, lse};
-  if (dense_decode_step(query, key, value, opts, prop, out, lse)) return {out, lse};
+  // One query a head, or a few under GQA: the KV-cache kernel where it beats the packed varlen kernel outright,
+  // else the packed varlen kernel, else the KV-cache kernel for what the packed route declined (a grid too small for
+  // it, or layouts it cannot read).
+  if (dense_decode_step(query, key, value, opts, prop, /*after_packed_route=*/false, out, lse)) return {out, lse};
   if (dense_on_packed_varlen(query, key, value, prop, softmax_scale, is_causal, causal_bottom_right, window_left,
                              window_right, softcap, sinks, alibi_slopes, transforms_scores(opts), out, lse))
     return {out, lse};
+  if (dense_decode_step(query, key, value, opts, prop, /*after_packed_route=*/true, out, lse)) return {out, lse};
 
   const cuda::FwdKernelEntry& kernel = select_fwd_kernel(query, key, value, prop, transforms_scores(opts));
   record_kernel(Pass::kFwd, KernelTrace{kernel.family, kernel.head_dim_tile, 0, 1, false, kernel.score_mod});
@@ -546,24 +551,27 @@ constexpr int64_t kDenseDecodeMinKeys = 1024, kDenseDecodeOneWaveMinKeys = 2048;
 // keys 94.6 / 66.9, 1 x 4 x 16k 50.9 / 28.6, 4 x 8 x 8k 68.6 / 53.5; 8 a KV head, 8 x 2 x 32k 700.9 / 130.7 (the
 // packed varlen grid too small to take it). The kernel's time grows with its rows, the dense kernels' with the
 // keys, so it takes calls with at least kDecodeRowsKeysPerRow keys (all entries together) a row of its block: the
-// dense kernels keep 1 x 16 x 8k (28.9 / 40.7) and 2 x 16 x 4k (23.0 / 39.2). Where the packed varlen kernel would
-// run (grids of a third of the SMs), it takes at most kDecodeRowsOverPacked rows: 8 x 4 x 8k 81.0 packed / 71.4,
-// 8 x 8 x 8k 80.8 / 83.2, 8 x 16 x 8k 81.9 / 94.6. Measured from 2048 keys (kDecodeRowsMinKeys).
+// dense kernels keep 1 x 16 x 8k (28.9 / 40.7) and 2 x 16 x 4k (23.0 / 39.2). Ahead of the packed varlen route
+// (grids of a third of the SMs) it takes at most kDecodeRowsOverPacked rows (8 x 4 x 8k 81.0 packed / 71.4, 8 x 8
+// x 8k 80.8 / 83.2, 8 x 16 x 8k 81.9 / 94.6), after it (calls that route declined) up to kDecodeRowsMax. Measured
+// from 2048 keys (kDecodeRowsMinKeys), on the H200: other GPUs keep the dense kernels for more than one query.
 constexpr int64_t kDecodeRowsMax = 64, kDecodeRowsKeysPerRow = 512, kDecodeRowsOverPacked = 16,
                   kDecodeRowsMinKeys = 2048;
 
+// after_packed_route: the call the packed varlen route (dense_on_packed_varlen) declined, which may take more rows.
 bool dense_decode_step(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                       const AttentionOptions& opts, const cudaDeviceProp& prop, at::Tensor& out, at::Tensor& lse) {
+                       const AttentionOptions& opts, const cudaDeviceProp& prop, bool after_packed_route,
+                       at::Tensor& out, at::Tensor& lse) {
   constexpr int64_t kIntMax = std::numeric_limits<int32_t>::max();
   const int64_t B = query.size(0), Hq = query.size(1), Sq = query.size(2), Hkv = key.size(1), Sk = key.size(2);
   const int64_t rows = Sq * (Hq / Hkv);  // a KV head's query rows
-  if (Sk < kDenseDecodeMinKeys || Sk > kIntMax || B * Hkv > kIntMax || !forced_fwd_family().empty() ||
-      !decode_kernel_fits(rows, query.size(3), prop))
+  if ((after_packed_route && Sq == 1) || Sk < kDenseDecodeMinKeys || Sk > kIntMax || B * Hkv > kIntMax ||
+      !forced_fwd_family().empty() || !decode_kernel_fits(rows, query.size(3), prop))
     return false;
-  if (Sq > 1) {
-    if (Hq == Hkv || rows > kDecodeRowsMax || Sk < kDecodeRowsMinKeys || B * Sk < kDecodeRowsKeysPerRow * rows)
+  if (Sq > 1) {  // measured on Hopper only
+    if (!is_hopper(prop) || Hq == Hkv || rows > (after_packed_route ? kDecodeRowsMax : kDecodeRowsOverPacked) ||
+        Sk < kDecodeRowsMinKeys || B * Sk < kDecodeRowsKeysPerRow * rows)
       return false;
-    if (rows > kDecodeRowsOverPacked && packed_route_applies(query, key, transforms_scores(opts), prop)) return false;
   } else if (Sk < kDenseDecodeOneWaveMinKeys && B * Hq <= prop.multiProcessorCount) {
     return false;  // one wave of the dense kernels' blocks over short caches: their compact block is quicker
   }
