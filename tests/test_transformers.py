@@ -816,3 +816,29 @@ def test_mask_verdict_found_once_per_mask(monkeypatch):
 
 
 _mask_runs = fct._mask_runs
+
+
+def test_inductor_passes_a_static_cache_in_place():
+    """Under torch.compile with inductor (transformers' compiled decoding step), the static cache's rows reach the
+    varlen op as a view of the graph's input (reinterpret_tensor), not a copy: the in-place read survives
+    compilation. CPU inductor; the output matches eager."""
+    from torch._inductor.utils import run_and_get_code
+    B, Hq, Hkv, Sq, cap, D = 3, 4, 2, 1, 64, 8
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, Sq, Hq, D, generator=g)
+    cache_k, cache_v = (torch.randn(B, Hkv, cap, D, generator=g) for _ in range(2))
+    mask = torch.zeros(B, cap, dtype=torch.bool)
+    mask[:, 5:20] = True
+    options = dict(is_causal=True, scale=None, window_size=None, softcap=0.0, sinks=None)
+
+    def step(q, ck, cv, mask):
+        return fct._masked_attention_in_graph(q, ck.transpose(1, 2), cv.transpose(1, 2), mask, True, options)
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        got, code = run_and_get_code(torch.compile(step, fullgraph=True), q, cache_k, cache_v, mask)
+        torch.testing.assert_close(got, step(q, cache_k, cache_v, mask), rtol=0, atol=0)
+    rows = (B - 1) * Hkv * cap + cap
+    call = next(line for line in "\n".join(code).splitlines() if "flashcore.varlen_fwd" in line and "(" in line
+                and "reinterpret_tensor" in line)
+    assert call.count("reinterpret_tensor(arg") >= 3 and call.count(f"({rows}, {Hkv}, {D})") == 2, call
