@@ -12,6 +12,7 @@ from a generator seeded by the test's name and case index: a failure names a cas
 combinations are the point: the parametrized suites test each feature on chosen shapes, these tests the features
 together on shapes nobody chose. The CPU draws a few small cases (CI); the GPU many."""
 
+import os
 import random
 import zlib
 
@@ -32,8 +33,23 @@ HEAD_DIMS = [32, 33, 40, 64, 72, 80, 96, 100, 128, 160, 192, 256]
 
 
 def seed_of(request, index):
-    """A seed stable across processes (str hashes are salted per process)."""
-    return zlib.crc32(f"{request.node.originalname}-{index}".encode())
+    """A seed stable across processes (str hashes are salted per process). FLASHCORE_RANDOM_SALT draws other cases
+    (a longer hunt on the GPU: the same tests, new configurations)."""
+    salt = os.environ.get("FLASHCORE_RANDOM_SALT", "")
+    return zlib.crc32(f"{request.node.originalname}-{index}{salt}".encode())
+
+
+def draw_lengths(rng, case, max_len, few_queries):
+    """(B, Sq, Sk) of a dense call. few_queries: speculative-decoding checks and decode steps under GQA (1-16 queries
+    a head over 2k-9k keys, groups of 2-8, up to 8 sequences), the shapes the decode-rows and packed varlen routes
+    take; the case's head counts are redrawn to a GQA group."""
+    if few_queries:
+        case["hkv"] = rng.choice([1, 2, 4])
+        case["hq"] = case["hkv"] * rng.choice([2, 4, 8])
+        return rng.randint(1, 8), rng.randint(1, 16), rng.randint(2048, 9000)
+    batch = rng.randint(1, 3)
+    sq = rng.choice([1, rng.randint(1, max_len)])
+    return batch, sq, sq if rng.random() < 0.4 else rng.randint(1, max_len)
 
 
 def draw_case(rng, device, max_len):
@@ -175,12 +191,10 @@ def check_call(case, out, lse, grads, q, k, v, slopes, lens, dout, max_lens):
         q0, k0 = q0 + sq, k0 + sk
 
 
-def run_dense(seed, device, max_len, monkeypatch):
+def run_dense(seed, device, max_len, monkeypatch, few_queries=False):
     rng = random.Random(seed)
     case = draw_case(rng, device, max_len)
-    B = rng.randint(1, 3)
-    sq = rng.choice([1, rng.randint(1, max_len)])
-    sk = sq if rng.random() < 0.4 else rng.randint(1, max_len)
+    B, sq, sk = draw_lengths(rng, case, max_len, few_queries)
     gen = torch.Generator(device=device).manual_seed(seed)
     q = make_tensor((B, sq, case["hq"], case["d"]), case, gen, device).requires_grad_()
     k = make_tensor((B, sk, case["hkv"], case["d"]), case, gen, device).requires_grad_()
@@ -268,15 +282,13 @@ def run_kvcache(request, seed, device, dtype, max_cap):
     run_kvcache_case(inputs, kw)
 
 
-def run_sdpa_style(seed, device, max_len, monkeypatch):
+def run_sdpa_style(seed, device, max_len, monkeypatch, few_queries=False):
     """flashcore.attention with SDPA's conventions: (B, H, S, D) tensors (contiguous, BSHD views or slices of wider
     ones), top-left masks, sinks, and now and then a value head dim other than the query's. Forward through
     test_variants' checks (out, LSE); the gradients of q, k and v through attention_of (d sinks: test_variants)."""
     rng = random.Random(seed)
     case = draw_case(rng, device, max_len)
-    B = rng.randint(1, 3)
-    sq = rng.choice([1, rng.randint(1, max_len)])
-    sk = sq if rng.random() < 0.4 else rng.randint(1, max_len)
+    B, sq, sk = draw_lengths(rng, case, max_len, few_queries)
     d = case["d"]
     dv = rng.choice([d, d, d, max(8, d // 2), 64])
     layout = rng.choice(["bhsd", "bshd", "padded"])
@@ -361,3 +373,13 @@ def test_random_sdpa_style_cuda(request, monkeypatch, index):
 @pytest.mark.parametrize("index", range(40))
 def test_random_varlen_cuda(request, monkeypatch, index):
     run_varlen(seed_of(request, index), "cuda", 500, monkeypatch)
+
+
+@pytest.mark.gpu
+@requires_cuda
+@pytest.mark.parametrize("index", range(24))
+def test_random_few_queries_cuda(request, monkeypatch, index):
+    """A few queries a head over long keys under GQA, through flash-attn's interface (BSHD) and flashcore.attention
+    (BHSD, BSHD views, padded slices): the decode-rows and packed varlen routes with the features drawn together."""
+    run = run_dense if index % 2 == 0 else run_sdpa_style
+    run(seed_of(request, index), "cuda", 9000, monkeypatch, few_queries=True)
