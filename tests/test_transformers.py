@@ -784,7 +784,8 @@ def test_masked_attention_reads_a_static_cache_in_place():
 
 def test_mask_verdict_found_once_per_mask(monkeypatch):
     """Eager calls against a cache with a left-padding mask: the first layer finds the mask one run a row (a host
-    read) and stores the verdict on the mask tensor; the next layers, given the same tensor, reuse it; an in-place
+    read) and stores the verdict on the mask tensor, with the varlen offsets built from it; the next layers, given
+    the same tensor, reuse both (a cache of another layout builds its own offsets); an in-place
     change of the mask (its version counter) makes the next call look again, and a mask that is no longer one run a
     row then takes the gathering path, with the same output as a fresh mask tensor."""
     B, Hq, Hkv, Sq, Sk, D = 2, 4, 2, 1, 9, 8
@@ -793,13 +794,18 @@ def test_mask_verdict_found_once_per_mask(monkeypatch):
     k, v = (torch.randn(B, Hkv, Sk, D, generator=g) for _ in range(2))
     mask = torch.ones(B, Sk, dtype=torch.bool)
     mask[1, :3] = False  # left padding
-    calls = []
+    calls, built = [], []
     monkeypatch.setattr(fct, "_mask_runs", lambda *a: calls.append(1) or _mask_runs(*a))
+    monkeypatch.setattr(fct, "_run_offsets", lambda *a: built.append(a[1:]) or _run_offsets(*a))
     module = torch.nn.Linear(1, 1)
     module.is_causal = True
     first = fct.attention_forward(module, q, k, v, mask)[0]
     second = fct.attention_forward(module, q, k, v, mask)[0]
-    assert len(calls) == 1 and torch.equal(first, second)
+    assert len(calls) == 1 and torch.equal(first, second) and built == [(Hkv * Sk, (B - 1) * Hkv * Sk + Sk, Sq)]
+    # a cache in another layout (BSHD memory: rows copied, Sk apart) with the same mask: its own offsets, same out
+    k_bshd, v_bshd = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
+    torch.testing.assert_close(fct.attention_forward(module, q, k_bshd, v_bshd, mask)[0], first, rtol=0, atol=0)
+    assert len(calls) == 1 and len(built) == 2
     mask[0, 4] = False  # no longer one run in row 0
     got = fct.attention_forward(module, q, k, v, mask)[0]
     assert len(calls) == 2
@@ -815,7 +821,7 @@ def test_mask_verdict_found_once_per_mask(monkeypatch):
         assert len(calls) == 2 and not hasattr(inference_mask, "_fcore_runs")
 
 
-_mask_runs = fct._mask_runs
+_mask_runs, _run_offsets = fct._mask_runs, fct._run_offsets
 
 
 def test_inductor_passes_a_static_cache_in_place():

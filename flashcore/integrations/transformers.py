@@ -540,19 +540,44 @@ def _mask_runs(q, attention_mask, Sk, aligned):
     return first, count, ok
 
 
+class _Runs:
+    """A mask found to be one run of keys a row: its (first, count) int32 (B,), and the varlen offsets built from it
+    (cu_seqlens_q/k), kept for the later layers' calls with the same mask tensor, which would otherwise rebuild them
+    with five small ops each (host time: an eager decoding step is bound by it)."""
+
+    def __init__(self, first, count):
+        self.first, self.count = first, count
+        self._offsets = {}
+
+    def offsets(self, step, rows, Sq):
+        """(cu_q, cu_k) for keys whose entry b starts at row b x step of `rows` rows (_key_rows), Sq queries a row."""
+        key = (step, rows, Sq)
+        if key not in self._offsets:
+            self._offsets[key] = _run_offsets(self.first, step, rows, Sq)
+        return self._offsets[key]
+
+
+def _run_offsets(first, step, rows, Sq):
+    """cu_seqlens_q/k of a one-run-a-row mask (first: each row's first valid key), keys in _key_rows' layout."""
+    B = first.shape[0]
+    entries = torch.arange(B, device=first.device, dtype=torch.int32)
+    cu_k = torch.cat([entries * step + first, entries.new_full((1,), rows)])
+    return _equal_lengths(B, Sq, first.device), cu_k
+
+
 def _one_run_a_row(q, attention_mask, Sk, aligned):
-    """Eagerly: (first, count) of _mask_runs where the mask is one run of keys a row, else None. Found once per
-    mask: transformers hands every layer the same mask tensor, so the layers after the first take the verdict
-    stored on it (keyed by Sk, alignment, device and the tensor's version counter, which in-place writes bump;
-    not for inference tensors, which have none) instead of each reading it on the host, a sync that would stall
-    the host's run-ahead every layer."""
+    """Eagerly: a _Runs of the mask where it is one run of keys a row, else None. Found once per mask: transformers
+    hands every layer the same mask tensor, so the layers after the first take the verdict stored on it (keyed by
+    Sk, alignment, device and the tensor's version counter, which in-place writes bump; not for inference tensors,
+    which have none) instead of each reading it on the host, a sync that would stall the host's run-ahead every
+    layer."""
     # An inference tensor (a mask built under torch.inference_mode) has no version counter to key on: no reuse.
     key = None if attention_mask.is_inference() else (Sk, aligned, q.device, attention_mask._version)
     stored = getattr(attention_mask, "_fcore_runs", None)
     if key is not None and stored is not None and stored[0] == key:
         return stored[1]
     first, count, ok = _mask_runs(q, attention_mask, Sk, aligned)
-    runs = (first, count) if bool(ok) else None
+    runs = _Runs(first, count) if bool(ok) else None
     if key is not None:
         try:
             attention_mask._fcore_runs = (key, runs)
@@ -570,20 +595,19 @@ def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen, runs=No
     the run's last Sq positions (bottom-right), so every row's run must end at the same column, the last query's;
     padded query rows before a left-padded run see no key and give 0. The longest lengths passed are the shapes'
     (bounds, as the op allows). A mask of another form fails a device-side check (on CUDA a device assert, which
-    ends the process's CUDA context: run such inputs eagerly). runs: (first, count) of a mask the caller has found
-    to be of that form.
+    ends the process's CUDA context: run such inputs eagerly). runs: the _Runs of a mask the caller has found to be
+    of that form.
     q (B, Sq, Hq, D), k/v (B, Sk, Hkv, D) BSHD views; returns out (B, Sq, Hq, D)."""
     B, Sq, Hq, D = q.shape
     Sk = k.shape[1]
+    k_rows, v_rows, step = _key_rows(k, v)
     if runs is None:
         first, count, ok = _mask_runs(q, attention_mask, Sk, aligned)
         torch._assert_async(ok, _MASK_NOT_ONE_RUN)
+        cu_q, cu_k = _run_offsets(first, step, k_rows.shape[0], Sq)
     else:  # checked on the host by the caller
-        first, count = runs
-    k_rows, v_rows, step = _key_rows(k, v)
-    rows = torch.arange(B, device=q.device, dtype=torch.int32)
-    cu_k = torch.cat([rows * step + first, rows.new_full((1,), k_rows.shape[0])])
-    cu_q = _equal_lengths(B, Sq, q.device)
+        count = runs.count
+        cu_q, cu_k = runs.offsets(step, k_rows.shape[0], Sq)
     out = _varlen_attention(q.reshape(B * Sq, Hq, D), k_rows, v_rows, cu_q, cu_k, Sq, Sk, seqused_k=count, **varlen)
     return out.view(B, Sq, Hq, D)
 
