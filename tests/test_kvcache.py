@@ -182,12 +182,13 @@ def check_caches(k_cache, v_cache, want, rotary):
     torch.testing.assert_close(got, ref, rtol=2 * u, atol=8 * u * ref.abs().max().item())
 
 
-def run_case(inputs, kw, check_cache=True):
+def run_case(inputs, kw, check_cache=True, layout=None):
     """flash_attn_with_kvcache on copies of the caches, checked against expected(): out, lse, the caches, and that
-    the caller's cache_seqlens is unchanged."""
+    the caller's cache_seqlens is unchanged. layout: the copies' memory layout (cache_layout), else contiguous."""
     q, k_cache, v_cache = inputs
     want = expected(inputs, kw)
-    kc, vc = k_cache.clone(), v_cache.clone()
+    kc, vc = (k_cache.clone(), v_cache.clone()) if layout is None else (cache_layout(k_cache, layout),
+                                                                        cache_layout(v_cache, layout))
     lens = kw.get("cache_seqlens")
     lens_before = lens.clone() if isinstance(lens, torch.Tensor) else lens
     out, lse = flash_attn_with_kvcache(q, kc, vc, **kw)
@@ -201,6 +202,19 @@ def run_case(inputs, kw, check_cache=True):
     if check_cache:
         check_caches(kc, vc, want, kw.get("rotary_cos") is not None)
     return out, lse, kc, vc, want
+
+
+def cache_layout(cache, layout):
+    """A copy of a dense (B, capacity, Hkv, D) cache in another memory layout: "heads_first" ((B, Hkv, capacity, D)
+    memory, as transformers keeps its caches), "padded" (a slice of a longer capacity: a batch stride of more than
+    capacity rows; the slots past the slice hold NaN, which no read may reach)."""
+    B, cap, H, D = cache.shape
+    if layout == "heads_first":
+        return cache.transpose(1, 2).contiguous().transpose(1, 2)
+    assert layout == "padded", layout
+    wide = torch.full((B, cap + 37, H, D), float("nan"), dtype=cache.dtype, device=cache.device)
+    wide[:, :cap] = cache
+    return wide[:, :cap]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -775,6 +789,24 @@ def test_kvcache_prefill_key_split_cuda(request, variant, page_size, new_tokens)
         assert ran.startswith("sm90") and "varlen" in ran and (" splits2" in ran) == (splits == 2), ran
     else:
         assert ran.startswith("decode"), ran
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_cuda])])
+@pytest.mark.parametrize("layout", ["heads_first", "padded"])
+@pytest.mark.parametrize("new_tokens", [1, 24, 96])
+def test_kvcache_cache_layouts(request, device, layout, new_tokens):
+    """Dense caches in (B, Hkv, capacity, D) memory and with a padded batch stride: read and appended to in place,
+    the same results as a contiguous cache; on Hopper a chunked prefill reads them on the Hopper varlen forward
+    (packed_batch_rows), as it does a contiguous cache."""
+    B, heads, cap = (6, (32, 8), 3000) if device == "cuda" else (3, (4, 2), 200)
+    mode = dict(B=B, Sq=new_tokens, Sn=new_tokens, lens=[0, 40, FULL - new_tokens] + [cap // 2] * (B - 3))
+    inputs, kw = make_case(request, device, torch.bfloat16, Hq=heads[0], Hkv=heads[1], D=128, capacity=cap,
+                           causal=True, **mode)
+    run_case(inputs, kw, layout=layout)
+    if device == "cuda":
+        ran = flashcore.last_kernel("fwd")
+        splits = prefill_route(None, new_tokens, B, heads, cap)
+        assert (ran.startswith("sm90") and "varlen" in ran) == (new_tokens > 1 and splits[0]), ran
 
 
 @pytest.mark.gpu

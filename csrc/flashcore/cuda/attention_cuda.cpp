@@ -835,22 +835,22 @@ void adopt_varlen_outputs(const at::Tensor& o, const at::Tensor& l, int64_t B, i
 
 // Chunked prefill on Hopper: the Hopper varlen forward's wgmma kernel instead of the decode kernel's mma.sync rows,
 // which re-read a KV head's cache for every 64 packed query rows (128 new tokens at 8 x 8k: 219 against 708 us,
-// docs/PERFORMANCE.md). Entry b is sequence b of a varlen batch whose keys are cache row b (cu_seqlens_k: multiples
-// of the capacity) or, paged, its pages through the block table (VarlenParams::block_table), of which seqused_k =
-// cache_seqlens[b] are used: the same clamping, causal alignment, window, ALiBi offset and empty-entry outputs as
-// the decode kernel's, and the slots past an entry's length are never read into the output (the varlen kernel
-// zeroes V past a sequence's used keys; TMA zero-fills pages past it). Taken from kPrefillOnVarlenMinTokens new
+// docs/PERFORMANCE.md). Entry b is sequence b of a varlen batch whose keys are cache row b (read in place at any batch
+// stride: packed_batch_rows) or, paged, its pages through the block table (VarlenParams::block_table), of which
+// seqused_k = cache_seqlens[b] are used: the same clamping, causal alignment, window, ALiBi offset and empty-entry
+// outputs as the decode kernel's, and the slots past an entry's length are never read into the output (the varlen
+// kernel zeroes V past a sequence's used keys; TMA zero-fills pages past it). Taken from kPrefillOnVarlenMinTokens new
 // tokens a sequence, or fewer where the Hopper kernel's blocks (the group's query heads packed into them,
 // sm90/fwd_sm90_pack_gqa.h) are more than half queries (from kSplitPrefillMinTokens where it splits keys), and where
 // its grid, a key split's blocks counted, has at least a third as many blocks as the GPU has SMs; without
-// cache_batch_idx, left pad or forced split count, on a build with the Hopper varlen kernel for the head dim and
-// caches whose rows (or pages) TMA can read as packed (rows, heads, dim) tensors (else the decode kernel, never the
-// mma.sync varlen one), paged ones in pages of a multiple of 16 keys. Returns false (nothing done) otherwise.
-// The decode kernel's cost grows with each 64 packed rows of a KV head, the Hopper kernel's with its waves of
-// blocks (128 or 192 rows); a small grid splits its keys at head dim 128 only. H100, 8 x 8k, Hq 32 / Hkv 8, us
-// decode / Hopper one head a block: 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64 353.0 / 214.1;
-// 1 x 128k (32 blocks) with 64 tokens 683.0 / 1378.5. Packed (4 heads a block from 17 tokens), the Hopper kernel takes
-// ~115-120 us at 8 x 8k from 24 to 64 tokens (64 or 128 blocks); docs/PERFORMANCE.md.
+// cache_batch_idx, left pad or forced split count, on a build with the Hopper varlen kernel for the head dim and caches
+// whose rows (or pages) TMA can read as packed (rows, heads, dim) tensors (else the decode kernel, never the mma.sync
+// varlen one), paged ones in pages of a multiple of 16 keys. Returns false (nothing done) otherwise. The decode
+// kernel's cost grows with each 64 packed rows of a KV head, the Hopper kernel's with its waves of blocks (128 or 192
+// rows); a small grid splits its keys at head dim 128 only. H100, 8 x 8k, Hq 32 / Hkv 8, us decode / Hopper one head a
+// block: 16 tokens 119.6 / 204.3, 32 198.3 / 210.7, 48 344.5 / 213.0, 64 353.0 / 214.1; 1 x 128k (32 blocks) with 64
+// tokens 683.0 / 1378.5. Packed (4 heads a block from 17 tokens), the Hopper kernel takes ~115-120 us at 8 x 8k from 24
+// to 64 tokens (64 or 128 blocks); docs/PERFORMANCE.md.
 constexpr int64_t kPrefillOnVarlenMinTokens = 33;
 // Where the Hopper kernel splits its keys (two blocks a query tile, merged in a cluster), from 16 new tokens, its
 // blocks four query heads of 16 tokens (half padding). H200, Hq 32 / Hkv 8, hd128 bf16, us Hopper split / decode /
@@ -880,16 +880,20 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
       capacity == 0 || (paged ? !pages_fit : key_cache.size(0) < B) ||
       (B + 1) * std::max(Sq, capacity) > std::numeric_limits<int32_t>::max() || forced_fwd_family() == "sm80")
     return false;
-  // The caches as packed (rows, heads_kv, dim) tensors: a dense cache's first B rows back to back (entry b's keys
-  // from row b x capacity), or every page of a paged one.
-  const int64_t cache_rows = paged ? key_cache.size(0) : B;
-  auto packed = [&](const at::Tensor& cache) -> std::optional<at::Tensor> {
-    const at::Tensor rows = cache.narrow(0, 0, cache_rows);
-    if (cache_rows > 1 && rows.stride(0) != rows_per_cache_row * rows.stride(1)) return std::nullopt;
-    return rows.as_strided({cache_rows * rows_per_cache_row, rows.size(2), D},
-                           {rows.stride(1), rows.stride(2), rows.stride(3)});
-  };
-  const std::optional<at::Tensor> k = packed(key_cache), v = packed(value_cache);
+  // The caches as packed (rows, heads_kv, dim) tensors: every page of a paged one; a dense cache's first B rows in
+  // place, whatever its batch stride (packed_batch_rows; seqused_k = cache_seqlens, clamped to the capacity).
+  std::optional<at::Tensor> k, v, cu_k;
+  if (paged) {
+    auto pages = [&](const at::Tensor& cache) -> std::optional<at::Tensor> {
+      if (cache.size(0) > 1 && cache.stride(0) != rows_per_cache_row * cache.stride(1)) return std::nullopt;
+      return cache.as_strided({cache.size(0) * rows_per_cache_row, cache.size(2), D},
+                              {cache.stride(1), cache.stride(2), cache.stride(3)});
+    };
+    k = pages(key_cache), v = pages(value_cache);
+  } else if (const std::optional<PackedBatch> rows = packed_batch_rows(key_cache.narrow(0, 0, B).transpose(1, 2),
+                                                                       value_cache.narrow(0, 0, B).transpose(1, 2))) {
+    k = rows->key, v = rows->value, cu_k = rows->cu_seqlens;
+  }
   if (!k || !v) return false;
   const at::Tensor q = query.reshape({B * Sq, Hq, D});
   // The entry select_varlen_fwd_kernel picks (short_rows_on_sm90, not forced to sm80) where TMA can read the tensors.
@@ -917,10 +921,10 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
   const bool forced = forced_fwd_family() == "sm90" && Sq > 1;
   if (!forced && (!enough_queries || 3 * blocks * splits < sms)) return false;
   const at::Tensor cu_q = equal_offsets(B, Sq, query.options());
-  const at::Tensor cu_k = paged ? cu_q : equal_offsets(B, capacity, query.options());  // paged: not read
   const PagedKeys pages{args.block_table, rows_per_cache_row};
-  auto [o, l] = run_varlen_fwd(q, *k, *v, cu_q, cu_k, Sq, capacity, softmax_scale, opts.is_causal, window_left,
-                               window_right, opts.softcap, sinks, alibi_slopes, args.cache_seqlens,
+  auto [o, l] = run_varlen_fwd(q, *k, *v, cu_q, paged ? cu_q : *cu_k /* paged: not read */, Sq, capacity,
+                               softmax_scale, opts.is_causal, window_left, window_right, opts.softcap, sinks,
+                               alibi_slopes, args.cache_seqlens,
                                /*short_rows_on_sm90=*/true, paged ? &pages : nullptr);
   adopt_varlen_outputs(o, l, B, Sq, /*heads_first=*/false, out, lse);
   return true;
