@@ -131,11 +131,14 @@ def test_forward_gqa_few_queries(request, dtype, head_dim, mask, shape, layout):
 def decode_rows_expected(shape, head_dim):
     """Whether a dense call with a few queries a head under GQA runs on the KV-cache kernel (attention_cuda.cpp:
     dense_decode_step): a KV head's query rows (Sq x group) at most 64, 2048 keys or more and at least 512 keys (all
-    entries together) a row, and at most 16 rows where the packed varlen route would take the call; on Hopper."""
+    entries together) a row (1024 above head dim 128 where the dense grid, B x Hq blocks, fills half the SMs), and
+    at most 16 rows where the packed varlen route would take the call; on Hopper."""
     B, Hq, Hkv, Sq, Sk = shape
     rows = Sq * (Hq // Hkv)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    keys_per_row = 1024 if head_dim > 128 and 2 * B * Hq >= sms else 512
     if torch.cuda.get_device_capability() != (9, 0) or Sq < 2 or Hq == Hkv or rows > 64 or Sk < 2048 or \
-            B * Sk < 512 * rows:
+            B * Sk < keys_per_row * rows:
         return False
     return rows <= 16 or not packed_route_expected(shape, head_dim)
 
@@ -148,7 +151,8 @@ def decode_rows_expected(shape, head_dim):
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("mask", ["none", "causal", "bottom_right"])
 @pytest.mark.parametrize("shape", [(1, 8, 2, 4, 9000), (3, 16, 2, 2, 3000), (2, 32, 8, 16, 16400),
-                                   (1, 8, 2, 16, 5000), (8, 32, 8, 8, 4096)], ids=lambda s: "x".join(map(str, s)))
+                                   (1, 8, 2, 16, 5000), (8, 32, 8, 8, 4096), (4, 32, 8, 8, 4096)],
+                         ids=lambda s: "x".join(map(str, s)))
 def test_forward_gqa_decode_rows(request, dtype, head_dim, mask, shape):
     layout = "bshd" if shape[0] % 2 else "bhsd"
     q, k, v = random_qkv(request, shape, head_dim, dtype, layout, layout)

@@ -555,6 +555,11 @@ constexpr int64_t kDenseDecodeMinKeys = 1024, kDenseDecodeOneWaveMinKeys = 2048;
 // (grids of a third of the SMs) it takes at most kDecodeRowsOverPacked rows (8 x 4 x 8k 81.0 packed / 71.4, 8 x 8
 // x 8k 80.8 / 83.2, 8 x 16 x 8k 81.9 / 94.6), after it (calls that route declined) up to kDecodeRowsMax. Measured
 // from 2048 keys (kDecodeRowsMinKeys), on the H200: other GPUs keep the dense kernels for more than one query.
+// Head dims above 128 take twice the keys a row where the dense grid (a block a query head) fills half the SMs:
+// there the dense kernels' one-warpgroup blocks keep up at 512 (hd256, Hq 32 / Hkv 8, us dense / KV-cache kernel:
+// 4 x 4 x 2048 32.7 / 33.9, 4 x 8 x 4096 60.6 / 70.6, 4 x 16 x 8192 111.0 / 121.7), and fall behind from 1024 (4 x 8
+// x 8192 111.8 / 107.6, 4 x 16 x 16384 214.8 / 195.0, 8 x 4 x 2048 60.3 / 50.6), while smaller grids gain from 512
+// (1 x 8 x 16384 84.3 / 73.6, 1 x 4 x 8192 46.5 / 36.0). Head dim 64 lost nowhere in the same sweep.
 constexpr int64_t kDecodeRowsMax = 64, kDecodeRowsKeysPerRow = 512, kDecodeRowsOverPacked = 16,
                   kDecodeRowsMinKeys = 2048;
 
@@ -569,8 +574,10 @@ bool dense_decode_step(const at::Tensor& query, const at::Tensor& key, const at:
       !forced_fwd_family().empty() || !decode_kernel_fits(rows, query.size(3), prop))
     return false;
   if (Sq > 1) {  // measured on Hopper only
+    const bool wide_full_grid = query.size(3) > 128 && 2 * B * Hq >= prop.multiProcessorCount;
+    const int64_t keys_per_row = wide_full_grid ? 2 * kDecodeRowsKeysPerRow : kDecodeRowsKeysPerRow;
     if (!is_hopper(prop) || Hq == Hkv || rows > (after_packed_route ? kDecodeRowsMax : kDecodeRowsOverPacked) ||
-        Sk < kDecodeRowsMinKeys || B * Sk < kDecodeRowsKeysPerRow * rows)
+        Sk < kDecodeRowsMinKeys || B * Sk < keys_per_row * rows)
       return false;
   } else if (Sk < kDenseDecodeOneWaveMinKeys && B * Hq <= prop.multiProcessorCount) {
     return false;  // one wave of the dense kernels' blocks over short caches: their compact block is quicker
