@@ -57,13 +57,14 @@ def transformers_step(B=8, Sk=8192, layers=8, steps=20):
     module.is_causal = True
     q = torch.randn(B, 32, 1, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(B, 8, Sk, 128, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
     first = torch.arange(B, device="cuda") * 37  # left padding, a different amount a row
 
     def step(masked):
         for _ in range(steps):
             mask = torch.arange(Sk, device="cuda")[None, :] >= first[:, None] if masked else None
             for _ in range(layers):
-                fct.attention_forward(module, q, k, k, mask)
+                fct.attention_forward(module, q, k, v, mask)
 
     for name, masked in (("left-padded mask", True), ("no mask", False)):
         step(masked)

@@ -794,18 +794,22 @@ def test_mask_verdict_found_once_per_mask(monkeypatch):
     k, v = (torch.randn(B, Hkv, Sk, D, generator=g) for _ in range(2))
     mask = torch.ones(B, Sk, dtype=torch.bool)
     mask[1, :3] = False  # left padding
-    calls, built = [], []
-    monkeypatch.setattr(fct, "_mask_runs", lambda *a: calls.append(1) or _mask_runs(*a))
-    monkeypatch.setattr(fct, "_run_offsets", lambda *a: built.append(a[1:]) or _run_offsets(*a))
+    calls = []
+    monkeypatch.setattr(fct, "_host_runs", lambda *a: calls.append(1) or _host_runs(*a))
     module = torch.nn.Linear(1, 1)
     module.is_causal = True
     first = fct.attention_forward(module, q, k, v, mask)[0]
     second = fct.attention_forward(module, q, k, v, mask)[0]
-    assert len(calls) == 1 and torch.equal(first, second) and built == [(Hkv * Sk, (B - 1) * Hkv * Sk + Sk, Sq)]
-    # a cache in another layout (BSHD memory: rows copied, Sk apart) with the same mask: its own offsets, same out
+    runs = mask._fcore_runs[1]
+    assert len(calls) == 1 and torch.equal(first, second) and list(runs._inputs) == [(Hkv * Sk, (B - 1) * Hkv * Sk + Sk,
+                                                                                      Sq)]
+    cu_q, cu_k, used = runs._inputs[(Hkv * Sk, (B - 1) * Hkv * Sk + Sk, Sq)]
+    assert cu_q.tolist() == [0, 1, 2] and cu_k.tolist() == [0, Hkv * Sk + 3, (B - 1) * Hkv * Sk + Sk]
+    assert used.tolist() == [Sk, Sk - 3]
+    # a cache in another layout (BSHD memory: rows copied, Sk apart) with the same mask: its own inputs, same out
     k_bshd, v_bshd = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (k, v))
     torch.testing.assert_close(fct.attention_forward(module, q, k_bshd, v_bshd, mask)[0], first, rtol=0, atol=0)
-    assert len(calls) == 1 and len(built) == 2
+    assert len(calls) == 1 and len(runs._inputs) == 2
     mask[0, 4] = False  # no longer one run in row 0
     got = fct.attention_forward(module, q, k, v, mask)[0]
     assert len(calls) == 2
@@ -821,7 +825,30 @@ def test_mask_verdict_found_once_per_mask(monkeypatch):
         assert len(calls) == 2 and not hasattr(inference_mask, "_fcore_runs")
 
 
-_mask_runs, _run_offsets = fct._mask_runs, fct._run_offsets
+@pytest.mark.parametrize("aligned", [True, False])
+def test_host_runs_match_the_device_rule(aligned):
+    """The eager verdict (_host_runs, on the host) and the compiled one (_mask_runs, device ops) agree on every mask
+    of a random family: left and right padding, holes, empty rows, runs ending at different columns, masks shorter
+    and longer than the keys."""
+    g = torch.Generator().manual_seed(3)
+    for trial in range(300):
+        B, L = int(torch.randint(1, 5, (1,), generator=g)), int(torch.randint(1, 12, (1,), generator=g))
+        Sk = max(1, L + int(torch.randint(-3, 4, (1,), generator=g)))
+        first = torch.randint(0, L + 1, (B,), generator=g)
+        end = torch.randint(0, L + 1, (B,), generator=g) if trial % 3 else torch.full((B,), L)
+        cols = torch.arange(L)
+        mask = (cols[None, :] >= first[:, None]) & (cols[None, :] < end[:, None])
+        if trial % 5 == 0:
+            mask[:, int(torch.randint(0, L, (1,), generator=g))] ^= True  # a hole or a stray key
+        q = torch.zeros(B, 1, 1, 1)
+        d_first, d_count, ok = fct._mask_runs(q, mask, Sk, aligned)
+        host = fct._host_runs(mask, Sk, aligned)
+        assert (host is not None) == bool(ok), (mask, Sk)
+        if host is not None:
+            assert host[0].tolist() == d_first.tolist() and host[1].tolist() == d_count.tolist(), (mask, Sk)
+
+
+_host_runs = fct._host_runs
 
 
 def test_inductor_passes_a_static_cache_in_place():

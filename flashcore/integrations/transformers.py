@@ -75,6 +75,7 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
 
 from __future__ import annotations
 
+import numpy as np  # a dependency of transformers: host-side work on a mask costs less than torch's CPU ops
 import torch
 import torch.nn.functional as F
 
@@ -541,28 +542,50 @@ def _mask_runs(q, attention_mask, Sk, aligned):
 
 
 class _Runs:
-    """A mask found to be one run of keys a row: its (first, count) int32 (B,), and the varlen offsets built from it
-    (cu_seqlens_q/k), kept for the later layers' calls with the same mask tensor, which would otherwise rebuild them
-    with five small ops each (host time: an eager decoding step is bound by it)."""
+    """A mask found to be one run of keys a row (on the host: first and count, int64 numpy arrays (B,)), and the
+    varlen inputs built from it, kept for the later layers' calls with the same mask tensor: per key layout,
+    (cu_seqlens_q, cu_seqlens_k, seqused_k) on the device, uploaded together in one copy. An eager decoding step is
+    bound by the host's time, where a small device op costs more than the copy."""
 
-    def __init__(self, first, count):
-        self.first, self.count = first, count
-        self._offsets = {}
+    def __init__(self, first, count, device):
+        self.first, self.count, self.device = first, count, device
+        self._inputs = {}
 
-    def offsets(self, step, rows, Sq):
-        """(cu_q, cu_k) for keys whose entry b starts at row b x step of `rows` rows (_key_rows), Sq queries a row."""
+    def varlen_inputs(self, step, rows, Sq):
+        """(cu_q, cu_k, seqused_k) int32 on the device for keys whose entry b starts at row b x step of `rows` rows
+        (_key_rows), Sq queries a row."""
         key = (step, rows, Sq)
-        if key not in self._offsets:
-            self._offsets[key] = _run_offsets(self.first, step, rows, Sq)
-        return self._offsets[key]
+        if key not in self._inputs:
+            B = self.first.shape[0]
+            host = np.concatenate([np.arange(B + 1) * Sq, np.arange(B) * step + self.first, [rows], self.count])
+            host = torch.from_numpy(host.astype(np.int32))
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            both = host.to(self.device, non_blocking=True)
+            self._inputs[key] = (both[: B + 1], both[B + 1: 2 * B + 2], both[2 * B + 2:])
+        return self._inputs[key]
 
 
-def _run_offsets(first, step, rows, Sq):
-    """cu_seqlens_q/k of a one-run-a-row mask (first: each row's first valid key), keys in _key_rows' layout."""
-    B = first.shape[0]
-    entries = torch.arange(B, device=first.device, dtype=torch.int32)
-    cu_k = torch.cat([entries * step + first, entries.new_full((1,), rows)])
-    return _equal_lengths(B, Sq, first.device), cu_k
+def _host_runs(attention_mask, Sk, aligned):
+    """_mask_runs on the host, for eager calls: (first, count) int64 numpy arrays where the mask, fitted to Sk keys,
+    is one run of valid keys a row (for aligned calls, every non-empty row's run ending at the same column), else
+    None. One copy of the mask to the host (the step's one sync) and a few numpy passes, where the device form takes
+    a dozen small launches."""
+    mask = attention_mask.to(device="cpu", dtype=torch.bool).numpy()
+    if mask.shape[1] < Sk:  # slots past the mask were never written
+        mask = np.pad(mask, ((0, 0), (0, Sk - mask.shape[1])))
+    elif mask.shape[1] > Sk:
+        mask = mask[:, -Sk:]
+    count = mask.sum(axis=1, dtype=np.int64)
+    first = mask.argmax(axis=1).astype(np.int64)  # the first True; 0 for a row without keys
+    last = Sk - 1 - mask[:, ::-1].argmax(axis=1).astype(np.int64)
+    empty = count == 0
+    if not (empty | (last - first + 1 == count)).all():
+        return None
+    end = first + count
+    if aligned and not (empty | (end == end.max())).all():
+        return None
+    return first, count
 
 
 def _one_run_a_row(q, attention_mask, Sk, aligned):
@@ -576,8 +599,8 @@ def _one_run_a_row(q, attention_mask, Sk, aligned):
     stored = getattr(attention_mask, "_fcore_runs", None)
     if key is not None and stored is not None and stored[0] == key:
         return stored[1]
-    first, count, ok = _mask_runs(q, attention_mask, Sk, aligned)
-    runs = _Runs(first, count) if bool(ok) else None
+    found = _host_runs(attention_mask, Sk, aligned)
+    runs = None if found is None else _Runs(*found, q.device)
     if key is not None:
         try:
             attention_mask._fcore_runs = (key, runs)
@@ -604,10 +627,11 @@ def _masked_attention_in_graph(q, k, v, attention_mask, aligned, varlen, runs=No
     if runs is None:
         first, count, ok = _mask_runs(q, attention_mask, Sk, aligned)
         torch._assert_async(ok, _MASK_NOT_ONE_RUN)
-        cu_q, cu_k = _run_offsets(first, step, k_rows.shape[0], Sq)
-    else:  # checked on the host by the caller
-        count = runs.count
-        cu_q, cu_k = runs.offsets(step, k_rows.shape[0], Sq)
+        entries = torch.arange(B, device=q.device, dtype=torch.int32)
+        cu_k = torch.cat([entries * step + first, entries.new_full((1,), k_rows.shape[0])])
+        cu_q = _equal_lengths(B, Sq, q.device)
+    else:  # found on the host by the caller
+        cu_q, cu_k, count = runs.varlen_inputs(step, k_rows.shape[0], Sq)
     out = _varlen_attention(q.reshape(B * Sq, Hq, D), k_rows, v_rows, cu_q, cu_k, Sq, Sk, seqused_k=count, **varlen)
     return out.view(B, Sq, Hq, D)
 
