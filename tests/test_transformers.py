@@ -287,6 +287,39 @@ def test_logits(kind, ref_impl, padding):
     assert_logits_close(got, want, where=mask.bool())
 
 
+# Decoder families beyond the four above, built from their configs with the same small sizes (a sliding window of 6
+# where the family has one): each runs attention through the registered function.
+MORE_MODEL_TYPES = ["qwen2", "qwen3", "qwen2_moe", "qwen3_moe", "gemma", "gemma3_text", "phi", "phi3", "mixtral",
+                    "olmo", "olmo2", "cohere", "cohere2", "stablelm", "starcoder2", "granite", "gpt_neox", "gpt2",
+                    "gpt_bigcode", "opt", "persimmon", "helium", "glm", "glm4", "exaone4", "smollm3", "ministral",
+                    "arcee", "hunyuan_v1_dense", "seed_oss", "lfm2", "minimax", "apertus", "ernie4_5", "bitnet"]
+
+
+@pytest.mark.parametrize("model_type", MORE_MODEL_TYPES)
+def test_more_model_types_match_eager(model_type):
+    """Logits of a left-padded batch (valid positions) within float32 rounding of `eager`'s, and the same greedy
+    tokens, for every decoder family above."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.for_model(model_type, **COMMON)
+    for name, value in (("sliding_window", 6), ("use_sliding_window", True), ("head_dim", 16)):
+        if hasattr(cfg, name):
+            setattr(cfg, name, value)
+    ref, got = (_seeded(AutoModelForCausalLM, cfg, impl) for impl in ("eager", fct.NAME))
+    assert got.config._attn_implementation == fct.NAME
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(2, 128, (3, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :4], mask[2, :7] = 0, 0
+    ids = ids.masked_fill(mask == 0, 0)
+    with torch.no_grad():
+        want, have = (m(ids, attention_mask=mask).logits for m in (ref, got))
+    valid = mask.bool()
+    torch.testing.assert_close(have[valid], want[valid], rtol=1e-4, atol=1e-4)
+    tokens = [m.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False) for m in (ref, got)]
+    assert torch.equal(tokens[0], tokens[1])
+
+
 @pytest.mark.parametrize("positions", ["gaps", "repeat", "restart"])
 @pytest.mark.parametrize("call", ["cache", "no_cache", "mask_of_ones"])
 def test_position_ids_pack_where_eager_or_flash_attention_2_does(positions, call):
