@@ -807,6 +807,16 @@ def test_kvcache_cache_layouts(request, device, layout, new_tokens):
         ran = flashcore.last_kernel("fwd")
         splits = prefill_route(None, new_tokens, B, heads, cap)
         assert (ran.startswith("sm90") and "varlen" in ran) == (new_tokens > 1 and splits[0]), ran
+        # Lengths past the capacity (unchecked on the device) read the capacity's keys, never the rows past it: the
+        # padded layout's NaN slots, or the next entry's rows in (B, Hkv, capacity, D) memory.
+        q, k_cache, v_cache = inputs
+        kc, vc = cache_layout(k_cache, layout), cache_layout(v_cache, layout)
+        full = {key: val for key, val in kw.items() if key not in ("k", "v", "cache_seqlens")}
+        want = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.full((B,), cap, dtype=torch.int32,
+                                                                            device=device), **full)
+        got = flash_attn_with_kvcache(q, kc, vc, cache_seqlens=torch.full((B,), cap + 30, dtype=torch.int32,
+                                                                           device=device), **full)
+        assert torch.isfinite(got[0]).all() and torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 @pytest.mark.gpu

@@ -75,11 +75,11 @@ which it reproduces on flashcore's kernels; the results equal the ``eager``/``sd
 
 from __future__ import annotations
 
-import numpy as np  # a dependency of transformers: host-side work on a mask costs less than torch's CPU ops
 import torch
 import torch.nn.functional as F
 
 try:
+    import numpy as np  # a dependency of transformers: host-side work on a mask costs less than torch's CPU ops
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
     from transformers.utils import logging as _hf_logging
@@ -566,11 +566,25 @@ class _Runs:
         return self._inputs[key]
 
 
+# Masks of more elements on a GPU are checked there and only the result copied back (_runs_to_host): numpy's passes
+# cost ~1.8 us a thousand elements (64 x 32k: 2.1 ms a step), the device ops' launches a roughly constant few
+# hundred us of host time.
+_HOST_RUNS_MAX_ELEMENTS = 1 << 18
+
+
+def _runs_to_host(q, attention_mask, Sk, aligned):
+    """_host_runs' answer from _mask_runs on the mask's device, its result copied back in one copy (for large masks
+    on a GPU)."""
+    first, count, ok = _mask_runs(q, attention_mask, Sk, aligned)
+    B = first.shape[0]
+    found = torch.cat([first.long(), count.long(), ok.long().view(1)]).cpu().numpy()
+    return (found[:B], found[B:2 * B]) if found[-1] else None
+
+
 def _host_runs(attention_mask, Sk, aligned):
-    """_mask_runs on the host, for eager calls: (first, count) int64 numpy arrays where the mask, fitted to Sk keys,
-    is one run of valid keys a row (for aligned calls, every non-empty row's run ending at the same column), else
-    None. One copy of the mask to the host (the step's one sync) and a few numpy passes, where the device form takes
-    a dozen small launches."""
+    """_mask_runs' verdict on the host, for eager calls: (first, count) int64 numpy arrays where the mask, fitted to
+    Sk keys, is one run of valid keys a row (for aligned calls, every non-empty row's run ending at the same
+    column), else None. One copy of the mask to the host (the step's one sync) and a few numpy passes."""
     mask = attention_mask.to(device="cpu", dtype=torch.bool).numpy()
     if mask.shape[1] < Sk:  # slots past the mask were never written
         mask = np.pad(mask, ((0, 0), (0, Sk - mask.shape[1])))
@@ -599,7 +613,10 @@ def _one_run_a_row(q, attention_mask, Sk, aligned):
     stored = getattr(attention_mask, "_fcore_runs", None)
     if key is not None and stored is not None and stored[0] == key:
         return stored[1]
-    found = _host_runs(attention_mask, Sk, aligned)
+    if attention_mask.device.type != "cpu" and attention_mask.numel() > _HOST_RUNS_MAX_ELEMENTS:
+        found = _runs_to_host(q, attention_mask, Sk, aligned)
+    else:
+        found = _host_runs(attention_mask, Sk, aligned)
     runs = None if found is None else _Runs(*found, q.device)
     if key is not None:
         try:
