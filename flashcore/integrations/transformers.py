@@ -522,15 +522,19 @@ def _key_rows(k, v):
     return view(k), view(v), step
 
 
+def _mask_fitted(mask, Sk):
+    """A (B, L) bool padding mask as one of Sk keys: the slots past a shorter mask were never written (False); a
+    longer one's last Sk columns."""
+    if mask.shape[1] < Sk:
+        return F.pad(mask, (0, Sk - mask.shape[1]))
+    return mask[:, -Sk:] if mask.shape[1] > Sk else mask
+
+
 def _mask_runs(q, attention_mask, Sk, aligned):
     """The padding mask fitted to Sk keys as one run of valid keys a row: (first, count) int32 (B,), and a 0-d bool
     tensor, whether the mask is of that form (for aligned calls, every row's run ending at the same column, the last
     query's, or empty). On the device: no host read."""
-    mask = attention_mask.to(device=q.device, dtype=torch.bool)
-    if mask.shape[1] < Sk:  # slots past the mask were never written
-        mask = F.pad(mask, (0, Sk - mask.shape[1]))
-    elif mask.shape[1] > Sk:
-        mask = mask[:, -Sk:]
+    mask = _mask_fitted(attention_mask.to(device=q.device, dtype=torch.bool), Sk)
     count = mask.sum(dim=-1, dtype=torch.int32)
     first = mask.to(torch.int32).argmax(dim=-1).to(torch.int32)  # 0 for a row without keys (count 0)
     pos = torch.arange(Sk, device=q.device, dtype=torch.int32)[None, :]
@@ -585,11 +589,7 @@ def _host_runs(attention_mask, Sk, aligned):
     """_mask_runs' verdict on the host, for eager calls: (first, count) int64 numpy arrays where the mask, fitted to
     Sk keys, is one run of valid keys a row (for aligned calls, every non-empty row's run ending at the same
     column), else None. One copy of the mask to the host (the step's one sync) and a few numpy passes."""
-    mask = attention_mask.to(device="cpu", dtype=torch.bool).numpy()
-    if mask.shape[1] < Sk:  # slots past the mask were never written
-        mask = np.pad(mask, ((0, 0), (0, Sk - mask.shape[1])))
-    elif mask.shape[1] > Sk:
-        mask = mask[:, -Sk:]
+    mask = _mask_fitted(attention_mask.to(device="cpu", dtype=torch.bool), Sk).numpy()
     count = mask.sum(axis=1, dtype=np.int64)
     first = mask.argmax(axis=1).astype(np.int64)  # the first True; 0 for a row without keys
     last = Sk - 1 - mask[:, ::-1].argmax(axis=1).astype(np.int64)
