@@ -1,5 +1,6 @@
 """Code written for flash-attn 2.x, unchanged: install_flash_attn_alias() makes `import flash_attn` (and its
-`flash_attn_interface`, `bert_padding` and `layers.rotary` modules) resolve to flashcore's implementations of them.
+`flash_attn_interface`, `bert_padding`, `layers.rotary` and `ops.triton.rotary` modules) resolve to flashcore's
+implementations of them.
 
     import flashcore
     flashcore.install_flash_attn_alias()
@@ -22,8 +23,9 @@ FLASH_ATTN_VERSION = "2.8.4+flashcore"  # the flash-attn release whose interface
 
 
 def install_flash_attn_alias() -> types.ModuleType:
-    """Registers `flash_attn`, `flash_attn.flash_attn_interface`, `flash_attn.bert_padding`, `flash_attn.layers`
-    and `flash_attn.layers.rotary` in sys.modules (idempotent) and returns the `flash_attn` alias."""
+    """Registers `flash_attn`, `flash_attn.flash_attn_interface`, `flash_attn.bert_padding`, `flash_attn.layers`,
+    `flash_attn.layers.rotary` and `flash_attn.ops.triton.rotary` in sys.modules (idempotent) and returns the
+    `flash_attn` alias."""
     from . import bert_padding, flash_attn_interface
     from .layers import rotary
 
@@ -42,16 +44,32 @@ def install_flash_attn_alias() -> types.ModuleType:
     package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
     for name in flash_attn_interface.__all__:  # the seven functions flash-attn's package exports at its top level
         setattr(package, name, getattr(flash_attn_interface, name))
-    layers = types.ModuleType("flash_attn.layers", "flashcore.layers")
-    layers.__path__ = []
-    layers.__spec__ = importlib.machinery.ModuleSpec("flash_attn.layers", None, is_package=True)
+    layers = _package("flash_attn.layers")
     layers.rotary = rotary
+    # flash_attn.ops.triton.rotary: the rotation kernel itself (apply_rotary), which some models import directly
+    ops, triton = _package("flash_attn.ops"), _package("flash_attn.ops.triton")
+    triton_rotary = types.ModuleType("flash_attn.ops.triton.rotary", "flashcore.layers.rotary.apply_rotary")
+    triton_rotary.__spec__ = importlib.machinery.ModuleSpec(triton_rotary.__name__, None)
+    triton_rotary.apply_rotary = rotary.apply_rotary
+    ops.triton, triton.rotary = triton, triton_rotary
     package.flash_attn_interface, package.bert_padding, package.layers = flash_attn_interface, bert_padding, layers
+    package.ops = ops
     sys.modules.update({
         "flash_attn": package,
         "flash_attn.flash_attn_interface": flash_attn_interface,
         "flash_attn.bert_padding": bert_padding,
         "flash_attn.layers": layers,
         "flash_attn.layers.rotary": rotary,
+        "flash_attn.ops": ops,
+        "flash_attn.ops.triton": triton,
+        "flash_attn.ops.triton.rotary": triton_rotary,
     })
     return package
+
+
+def _package(name: str) -> types.ModuleType:
+    """An empty package module whose submodules resolve through sys.modules, with a spec for find_spec."""
+    module = types.ModuleType(name)
+    module.__path__ = []
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    return module

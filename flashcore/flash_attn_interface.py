@@ -15,7 +15,8 @@ implement raises NotImplementedError naming the argument: dropout_p > 0.
 Where flash-attn's documentation and its kernels differ, this module follows the kernels: window_size is rewritten
 as flash-attn's C++ side rewrites it (_flash_window), and inputs of any strides are accepted (maybe_contiguous).
 The lower-level _flash_attn_forward / _flash_attn_backward (and varlen) functions keep flash-attn 2.8's signatures.
-One deliberate difference: a row that sees no key has LSE -inf (flash-attn 2 writes +inf), out 0 in both.
+One deliberate difference: a row that sees no key has LSE -inf (flash-attn 2 writes +inf), out 0 in both. Under
+ALiBi the returned softmax_lse is flash-attn's too where its causal kernel runs (_flash_alibi_lse).
 """
 
 from __future__ import annotations
@@ -33,6 +34,33 @@ __all__ = [
     "flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_kvpacked_func", "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func", "flash_attn_varlen_kvpacked_func", "flash_attn_with_kvcache",
 ]
+
+# Names flash-attn 2.8's interface module also exports, which its own tests (tests/test_flash_attn.py) and ring-attention
+# code import: no ROCm Triton backend here; the block sizes its CUDA kernels tile S_dmask by.
+USE_TRITON_ROCM = False
+
+
+def round_multiple(x, m):
+    """x rounded up to a multiple of m (flash-attn's helper)."""
+    return (x + m - 1) // m * m
+
+
+def _get_block_size_n(device, head_dim, is_dropout, is_causal):
+    """The key-block width of flash-attn 2's forward kernel for a head dim on a device (flash-attn's helper, used to
+    unpack its dropout S_dmask; flashcore returns no S_dmask to unpack, the value is flash-attn's)."""
+    assert head_dim <= 256
+    major, minor = torch.cuda.get_device_capability(device)
+    sm8x_not_sm80 = major == 8 and minor > 0
+    if head_dim <= 32:
+        return 128
+    if head_dim <= 64:
+        return 64 if is_dropout else 128
+    if head_dim <= 96 or head_dim > 128:
+        return 64
+    if is_dropout:
+        return 32
+    return 64 if (is_causal or not sm8x_not_sm80) else 32
+
 
 _fwd_op = torch.ops.flashcore.fwd.default
 _bwd_op = torch.ops.flashcore.bwd.default
@@ -61,6 +89,54 @@ def _flash_window(left, right, causal, seqlen_q, seqlen_k):
     left = -1 if left >= seqlen_k - 1 else left
     right = -1 if right >= seqlen_q - 1 and not causal else right
     return left, right
+
+
+def _causal_alibi_kernel(alibi_slopes, causal, left, right, seqlen_k):
+    """Whether flash-attn 2 would run this call's ALiBi on its causal kernel: params.is_causal, i.e. after its C++
+    rewrites (a side >= seqlen_k unbounded, causal sets right = 0) left < 0 and right == 0 (flash_api.cpp: mha_fwd,
+    mha_varlen_fwd, mha_fwd_kvcache, set_params_fprop). left/right as the caller gave them (window_pair)."""
+    if alibi_slopes is None:
+        return False
+    left = -1 if left >= seqlen_k else left
+    right = 0 if causal else (-1 if right >= seqlen_k else right)
+    return left < 0 and right == 0
+
+
+def _flash_alibi_lse(lse, alibi_slopes, diagonal, slope_rows, sign=1.0):
+    """softmax_lse as flash-attn 2's causal kernel writes it under ALiBi (sign=1), or back to flashcore's (sign=-1).
+    That kernel adds slope * j to key j's score (csrc/flash_attn/src/mask.h, Mask::apply_mask: "Simpler, we add the
+    same bias vector to all rows") where its other kernels, and flashcore's, add -slope * |i + Sk - Sq - j|; within
+    a causal row (j <= i + Sk - Sq) the two differ by slope * (i + Sk - Sq) for every key, so probabilities, out and
+    gradients agree and only the LSE moves by it. diagonal: i + Sk - Sq of each lse entry (broadcast against lse);
+    slope_rows: the slopes broadcast against lse. Rows that see no key stay -inf."""
+    return lse + sign * slope_rows * diagonal.to(lse.dtype)
+
+
+def _dense_alibi_lse(lse, alibi_slopes, seqlen_k_minus_q, sign=1.0):
+    """_flash_alibi_lse for lse (batch, heads, seqlen_q); seqlen_k_minus_q an int or a (batch,) tensor."""
+    B, H, Sq = lse.shape
+    diagonal = torch.arange(Sq, device=lse.device)
+    if isinstance(seqlen_k_minus_q, torch.Tensor):
+        diagonal = diagonal[None, :] + seqlen_k_minus_q.to(lse.device).long()[:, None]
+    else:
+        diagonal = diagonal + int(seqlen_k_minus_q)
+    diagonal = diagonal.view(-1, 1, Sq)
+    slopes = alibi_slopes.to(lse.device).view(-1, H, 1)  # (1 or batch, heads, 1)
+    return _flash_alibi_lse(lse, alibi_slopes, diagonal, slopes, sign)
+
+
+def _varlen_alibi_lse(lse, alibi_slopes, cu_seqlens_q, lens_k, sign=1.0):
+    """_flash_alibi_lse for a varlen lse (heads, total_q): row t of sequence b at i = t - cu_seqlens_q[b], with
+    Sq = that sequence's queries and Sk = lens_k[b]. Device ops only, no sync."""
+    H, total_q = lse.shape
+    if total_q == 0 or cu_seqlens_q.numel() < 2:
+        return lse
+    t, b = packed_rows(cu_seqlens_q, total_q)
+    starts = cu_seqlens_q[:-1].long()
+    lens_q = cu_seqlens_q[1:].long() - starts
+    diagonal = (t - starts[b] + lens_k.long()[b] - lens_q[b])[None, :]
+    slopes = alibi_slopes[:, None] if alibi_slopes.dim() == 1 else alibi_slopes[b].transpose(0, 1)  # (H, 1 or total)
+    return _flash_alibi_lse(lse, alibi_slopes, diagonal, slopes, sign)
 
 
 def _scale(softmax_scale, head_dim, fn):
@@ -121,7 +197,8 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     deterministic = custom_op_flag_arg(deterministic, "deterministic", fn)
     return_attn_probs = custom_op_flag_arg(return_attn_probs, "return_attn_probs", fn)
     sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
-    left, right = _flash_window(*window_pair(window_size, fn), causal, q.size(1), k.size(1))
+    window = window_pair(window_size, fn)
+    left, right = _flash_window(*window, causal, q.size(1), k.size(1))
     softcap = _flash_softcap(softcap, fn)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     (q, k, v), head_dim = pad_head_dim([maybe_contiguous(x) for x in (q, k, v)])
@@ -130,7 +207,11 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
     out = out.transpose(1, 2)
     if out.size(-1) != head_dim:
         out = out[..., :head_dim]
-    return (out, lse, _no_dropout_mask(q)) if return_attn_probs else out
+    if not return_attn_probs:
+        return out
+    if _causal_alibi_kernel(alibi_slopes, causal, *window, k.size(1)):
+        lse = _dense_alibi_lse(lse, alibi_slopes, k.size(1) - q.size(1))
+    return out, lse, _no_dropout_mask(q)
 
 
 def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
@@ -188,25 +269,32 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     sinks, alibi_slopes = _float32_vector(sinks, "sinks", fn), _float32_vector(alibi_slopes, "alibi_slopes", fn)
     if seqused_k is not None:
         _check_tensor(seqused_k, "seqused_k", fn)
-    left, right = _flash_window(*window_pair(window_size, fn), causal, max_seqlen_q, max_seqlen_k)
+    window = window_pair(window_size, fn)
+    left, right = _flash_window(*window, causal, max_seqlen_q, max_seqlen_k)
     softcap = _flash_softcap(softcap, fn)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
     if block_table is not None:
         _check_paged_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, fn)
-        return _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
-                             left, right, softcap, alibi_slopes, sinks, seqused_k, return_attn_probs)
-    (q, k, v), head_dim = pad_head_dim([q, k, v])
-    out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
-                              float(softmax_scale), bool(causal), left, right, float(softcap), bool(deterministic),
-                              sinks, alibi_slopes, seqused_k)
-    if out.size(-1) != head_dim:
-        out = out[..., :head_dim]
-    return (out, lse, _no_dropout_mask(q)) if return_attn_probs else out
+        out, lse = _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale,
+                                 causal, left, right, softcap, alibi_slopes, sinks, seqused_k)
+    else:
+        (q, k, v), head_dim = pad_head_dim([q, k, v])
+        out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
+                                  float(softmax_scale), bool(causal), left, right, float(softcap), bool(deterministic),
+                                  sinks, alibi_slopes, seqused_k)
+        if out.size(-1) != head_dim:
+            out = out[..., :head_dim]
+    if not return_attn_probs:
+        return out
+    if _causal_alibi_kernel(alibi_slopes, causal, *window, max_seqlen_k):
+        lens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
+        lse = _varlen_alibi_lse(lse, alibi_slopes, cu_seqlens_q, lens_k)
+    return out, lse, _no_dropout_mask(q)
 
 
 def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
-                  left, right, softcap, alibi_slopes, sinks, seqused_k, return_attn_probs):
+                  left, right, softcap, alibi_slopes, sinks, seqused_k):
     """flash_attn_varlen_func with block_table (paged prefill): sequence b's keys are the first
     cu_seqlens_k[b+1] - cu_seqlens_k[b] (or seqused_k[b]) of its pages. Runs on the KV-cache op: each sequence's
     queries are placed at the END of a (batch, max_seqlen_q) block (left padding), so the op's bottom-right alignment
@@ -246,7 +334,7 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     lse = torch.where(inside[None, :], lse_block[b, :, row].transpose(0, 1), float("-inf"))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         out = _PagedNoBackward.apply(out, q, k_cache, v_cache)
-    return (out, lse, _no_dropout_mask(q)) if return_attn_probs else out
+    return out, lse
 
 
 class _PagedNoBackward(torch.autograd.Function):
@@ -395,8 +483,10 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     (batch, nheads, seqlen_q rounded up to 128) float32, rowsum(dout * out)."""
     fn = "_flash_attn_backward"
     _check_dropout(dropout_p, fn)
-    left, right = _flash_window(*window_pair((window_size_left, window_size_right), fn), causal, q.size(1),
-                                 k.size(1))
+    window = window_pair((window_size_left, window_size_right), fn)
+    left, right = _flash_window(*window, causal, q.size(1), k.size(1))
+    if _causal_alibi_kernel(alibi_slopes, causal, *window, k.size(1)):  # the LSE as _flash_attn_forward returned it
+        softmax_lse = _dense_alibi_lse(softmax_lse, alibi_slopes, k.size(1) - q.size(1), sign=-1.0)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     head_dim = q.size(-1)
     (q_, k_, v_, o_, do_), _ = pad_head_dim([maybe_contiguous(x) for x in (q, k, v, out, dout)])
@@ -439,8 +529,11 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     row t of sequence b at column t + 128 b, zeros elsewhere."""
     fn = "_flash_attn_varlen_backward"
     _check_dropout(dropout_p, fn)
-    left, right = _flash_window(*window_pair((window_size_left, window_size_right), fn), causal,
-                                 int(max_seqlen_q), int(max_seqlen_k))
+    window = window_pair((window_size_left, window_size_right), fn)
+    left, right = _flash_window(*window, causal, int(max_seqlen_q), int(max_seqlen_k))
+    if _causal_alibi_kernel(alibi_slopes, causal, *window, int(max_seqlen_k)):  # as the varlen forward returned it
+        softmax_lse = _varlen_alibi_lse(softmax_lse, alibi_slopes, cu_seqlens_q,
+                                        cu_seqlens_k[1:] - cu_seqlens_k[:-1], sign=-1.0)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     head_dim = q.size(-1)
     (q_, k_, v_, o_, do_), _ = pad_head_dim([maybe_contiguous(x) for x in (q, k, v, out, dout)])
@@ -756,6 +849,7 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     left = -1 if left >= capacity else left
     right = -1 if right >= capacity else right
     local = left >= 0 or right >= 0
+    causal_alibi = _causal_alibi_kernel(alibi_slopes, causal, left, right, capacity)
     left, right = _flash_window(left, right, causal, Sq, capacity)
     softcap = _flash_softcap(softcap, fn)
     softmax_scale = _scale(softmax_scale, D, fn)
@@ -795,4 +889,9 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                                bool(causal), left, right, float(softcap), sinks, alibi_slopes, num_splits)
     if out.size(-1) != head_dim:
         out = out[..., :head_dim]
-    return (out, lse) if return_softmax_lse else out
+    if not return_softmax_lse:
+        return out
+    if causal_alibi:  # an entry's keys: its length past cache_leftpad (flash-attn's block_info.h actual_seqlen_k)
+        lens_k = seqlens.long() - (cache_leftpad.long() if cache_leftpad is not None else 0)
+        lse = _dense_alibi_lse(lse, alibi_slopes, lens_k - Sq)
+    return out, lse

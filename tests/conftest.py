@@ -270,16 +270,17 @@ def check_gradients(got, ref, lowp, dtype=None, names=("dq", "dk", "dv")):
         check_close(name, a, r, low, dtype=dtype, magnitude=largest, rows_rounding=True)
 
 
-def lowp_lse(q, k, causal=False, scale=None, causal_offset=0, window=(-1, -1), softcap=0.0, sinks=None, alibi=None):
+def lowp_lse(q, k, causal=False, scale=None, causal_offset=0, window=(-1, -1), softcap=0.0, sinks=None, alibi=None,
+             alibi_by_key=False):
     """PyTorch's own log-sum-exp of the rows, in float32 (the LSE's dtype) from the low-precision inputs: the
     precision of SDPA's fused kernels, which keep scores in float32. PyTorch has no fused softcap; its own is
     lowp_attention's `softcap * tanh(s / softcap)` on the scores in the input dtype, and so is this yardstick's."""
     if softcap:
         s = _lowp_capped_scores(q, k, scale, softcap).float()
         return reference_lse(q, k, causal, scale, causal_offset, window, softcap, sinks, alibi, dtype=torch.float32,
-                             scores=s)
+                             scores=s, alibi_by_key=alibi_by_key)
     return reference_lse(q.float(), k.float(), causal, scale, causal_offset, window, softcap, sinks, alibi,
-                         dtype=torch.float32)
+                         dtype=torch.float32, alibi_by_key=alibi_by_key)
 
 
 def _lowp_capped_scores(q, k, scale, softcap):
@@ -292,8 +293,10 @@ def _lowp_capped_scores(q, k, scale, softcap):
 
 
 def reference_lse(q, k, causal=False, scale=None, causal_offset=0, window=(-1, -1), softcap=0.0, sinks=None,
-                  alibi=None, dtype=torch.float64, scores=None):
-    """The rows' log-sum-exp in dtype; `scores` (already scaled and capped) replaces q.k where given."""
+                  alibi=None, dtype=torch.float64, scores=None, alibi_by_key=False):
+    """The rows' log-sum-exp in dtype; `scores` (already scaled and capped) replaces q.k where given. ALiBi adds
+    -slope * |j - i - (Sk - Sq)|, or with alibi_by_key +slope * j: flash-attn 2's causal kernel, whose LSE its
+    interface returns (the same softmax under a causal mask)."""
     if scores is None:
         qd, kd = q.to(dtype), k.to(dtype)
         group = qd.size(-3) // kd.size(-3)
@@ -310,7 +313,10 @@ def reference_lse(q, k, causal=False, scale=None, causal_offset=0, window=(-1, -
         dist = (torch.arange(Sk, device=s.device)[None, :] - torch.arange(Sq, device=s.device)[:, None] - (Sk - Sq))
         slopes = alibi.to(dtype)
         slopes = slopes[:, None, None] if slopes.dim() == 1 else slopes[:, :, None, None]
-        s = s - slopes * dist.abs().to(dtype)
+        if alibi_by_key:
+            s = s + slopes * torch.arange(Sk, device=s.device).to(dtype)
+        else:
+            s = s - slopes * dist.abs().to(dtype)
     s = s.masked_fill(~visible_mask(Sq, Sk, causal, causal_offset, window, s.device), float("-inf"))
     if sinks is not None:
         s = torch.cat([s, sinks.to(dtype)[:, None, None].expand(*s.shape[:-1], 1)], dim=-1)

@@ -146,6 +146,117 @@ def test_lower_level_forward_backward(window):
         fai._flash_attn_forward(q, k, v, 0.1, scale, True, -1, -1, 0.0, None, False)
 
 
+def _flash_alibi_lse_ref(q, k, slopes, Sq, Sk, causal_form, window=(-1, -1), leftpad=0):
+    """float64 softmax_lse (heads, Sq) of one sequence as flash-attn 2's kernels write it under ALiBi: the causal
+    kernel adds slope * j to key j's score (mask.h, Mask::apply_mask), the others -slope * |i + Sk - Sq - j|; keys
+    before leftpad do not exist (k holds the entry's keys from leftpad on)."""
+    s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * D ** -0.5
+    i = torch.arange(Sq)[:, None]
+    j = torch.arange(Sk)[None, :]
+    if causal_form:
+        bias = slopes.double()[:, None, None] * j
+        visible = j <= i + Sk - Sq
+    else:
+        bias = -slopes.double()[:, None, None] * (i + Sk - Sq - j).abs()
+        visible = torch.ones(Sq, Sk, dtype=torch.bool)
+        if window[0] >= 0:
+            visible &= j >= i + Sk - Sq - window[0]
+        if window[1] >= 0:
+            visible &= j <= i + Sk - Sq + window[1]
+    return torch.logsumexp((s + bias).masked_fill(~visible, float("-inf")), -1)
+
+
+# (causal, window_size, whether flash-attn runs its causal kernel) for seqlen_k 7: a left side >= seqlen_k is
+# unbounded, so (9, 0) is causal too; (2, 0) is a local window (the |i + Sk - Sq - j| form).
+CAUSAL_ALIBI_CASES = [(True, (-1, -1), True), (False, (-1, 0), True), (True, (9, -1), True), (True, (2, 0), False),
+                      (False, (-1, -1), False)]
+
+
+@pytest.mark.parametrize("causal,window,causal_form", CAUSAL_ALIBI_CASES, ids=str)
+@pytest.mark.parametrize("per_batch", [False, True], ids=["slopes_h", "slopes_bh"])
+def test_alibi_lse_as_flash_attn(causal, window, causal_form, per_batch):
+    """softmax_lse under ALiBi is what flash-attn 2 returns, including its causal kernel's slope * j bias (the LSE
+    larger by slope * (i + Sk - Sq) than the |i + Sk - Sq - j| form; out and gradients the same): dense (Sq < Sk and
+    Sq > Sk, rows without keys -inf), varlen, paged varlen, the KV cache with left padding and new keys, and the
+    lower-level forward/backward pair, whose backward takes that LSE back."""
+    B, H = 2, 2
+    slopes = torch.tensor([[0.5, 0.25], [0.75, 0.125]]) if per_batch else torch.tensor([0.5, 0.25])
+    slopes_of = (lambda b: slopes[b]) if per_batch else (lambda b: slopes)
+    for Sq, Sk in [(5, 7), (9, 7)]:
+        q, k, v = _inputs(B, Sq, Sk, H=H, Hk=H, seed=Sq)
+        out, lse, _ = flashcore.flash_attn_func(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes,
+                                                return_attn_probs=True)
+        for b in range(B):
+            want = _flash_alibi_lse_ref(q[b], k[b], slopes_of(b), Sq, Sk, causal_form, window)
+            torch.testing.assert_close(lse[b], want, rtol=1e-10, atol=1e-10)
+        # the lower-level pair: the backward takes the LSE the forward returned
+        q_, k_, v_ = (x.clone().requires_grad_() for x in (q, k, v))
+        ref_out = flashcore.flash_attn_func(q_, k_, v_, causal=causal, window_size=window, alibi_slopes=slopes)
+        dout = torch.randn_like(ref_out)
+        grads = torch.autograd.grad(ref_out, (q_, k_, v_), dout)
+        out2, lse2, _, _ = fai._flash_attn_forward(q, k, v, 0.0, None, causal, *window, 0.0, slopes, False)
+        torch.testing.assert_close(lse2, lse, rtol=0, atol=0)
+        dq, dk, dv = (torch.full_like(x, float("nan")) for x in (q, k, v))
+        fai._flash_attn_backward(dout, q, k, v, out2, lse2, dq, dk, dv, 0.0, None, causal, *window, 0.0, slopes,
+                                 False)
+        for got, ref in zip((dq, dk, dv), grads):
+            torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+
+    # varlen: sequences of 3 and 6 queries against 7 and 4 keys (the second with rows that see no key when causal)
+    lens_q, lens_k = [3, 6], [7, 4]
+    cu_q = torch.tensor([0, 3, 9], dtype=torch.int32)
+    cu_k = torch.tensor([0, 7, 11], dtype=torch.int32)
+    g = torch.Generator().manual_seed(5)
+    qv, kv, vv = (torch.randn(n, H, D, generator=g, dtype=torch.float64) for n in (9, 11, 11))
+    out, lse, _ = flashcore.flash_attn_varlen_func(qv, kv, vv, cu_q, cu_k, 6, 7, causal=causal, window_size=window,
+                                                   alibi_slopes=slopes, return_attn_probs=True)
+    for b in range(2):
+        want = _flash_alibi_lse_ref(qv[cu_q[b]:cu_q[b + 1]], kv[cu_k[b]:cu_k[b + 1]], slopes_of(b), lens_q[b],
+                                    lens_k[b], causal_form, window)
+        torch.testing.assert_close(lse[:, cu_q[b]:cu_q[b + 1]], want, rtol=1e-10, atol=1e-10)
+    out2, lse2, _, _ = fai._flash_attn_varlen_forward(qv, kv, vv, cu_q, cu_k, 6, 7, 0.0, None, causal, *window, 0.0,
+                                                      slopes)
+    torch.testing.assert_close(lse2, lse, rtol=0, atol=0)
+    q_, k_, v_ = (x.clone().requires_grad_() for x in (qv, kv, vv))
+    ref_out = flashcore.flash_attn_varlen_func(q_, k_, v_, cu_q, cu_k, 6, 7, causal=causal, window_size=window,
+                                               alibi_slopes=slopes)
+    dout = torch.randn_like(ref_out)
+    grads = torch.autograd.grad(ref_out, (q_, k_, v_), dout)
+    dq, dk, dv = (torch.full_like(x, float("nan")) for x in (qv, kv, vv))
+    fai._flash_attn_varlen_backward(dout, qv, kv, vv, out2, lse2, dq, dk, dv, cu_q, cu_k, 6, 7, 0.0, None, causal,
+                                    *window, 0.0, slopes, False)
+    for got, ref in zip((dq, dk, dv), grads):
+        torch.testing.assert_close(got, ref, rtol=1e-10, atol=1e-12)
+    # paged varlen (pages of 4 keys): the same LSE
+    pages_k = torch.zeros(8, 4, H, D, dtype=torch.float64)
+    pages_v = torch.zeros_like(pages_k)
+    table = torch.tensor([[5, 2, 0, 0], [7, 1, 0, 0]], dtype=torch.int32)
+    for b in range(2):
+        for j in range(lens_k[b]):
+            pages_k[table[b, j // 4], j % 4] = kv[cu_k[b] + j]
+            pages_v[table[b, j // 4], j % 4] = vv[cu_k[b] + j]
+    _, lse_paged, _ = flashcore.flash_attn_varlen_func(qv, pages_k, pages_v, cu_q, cu_k, 6, 7, causal=causal,
+                                                       window_size=window, alibi_slopes=slopes,
+                                                       return_attn_probs=True, block_table=table)
+    torch.testing.assert_close(lse_paged, lse, rtol=1e-10, atol=1e-10)
+
+    # KV cache, capacity 7, two new keys and queries an entry (a speculative-decoding check): entry 0 holds 3 keys,
+    # entry 1 is left-padded by 2 and holds 3 (cache_seqlens 5), so it ends at the capacity
+    k_cache, v_cache = (torch.randn(B, 7, H, D, generator=g, dtype=torch.float64) for _ in range(2))
+    k_new, v_new = (torch.randn(B, 2, H, D, generator=g, dtype=torch.float64) for _ in range(2))
+    q2 = torch.randn(B, 2, H, D, generator=g, dtype=torch.float64)
+    seqlens = torch.tensor([3, 5], dtype=torch.int32)
+    leftpad = torch.tensor([0, 2], dtype=torch.int32)
+    kc, vc = k_cache.clone(), v_cache.clone()
+    _, lse = fai.flash_attn_with_kvcache(q2, kc, vc, k_new, v_new, cache_seqlens=seqlens, cache_leftpad=leftpad,
+                                         causal=causal, window_size=window, alibi_slopes=slopes,
+                                         return_softmax_lse=True)
+    for b in range(B):
+        keys = kc[b, leftpad[b]:seqlens[b] + 2]
+        want = _flash_alibi_lse_ref(q2[b], keys, slopes_of(b), 2, keys.size(0), causal_form, window)
+        torch.testing.assert_close(lse[b], want, rtol=1e-10, atol=1e-10)
+
+
 def test_window_and_float_arguments():
     """A window side past any length is unbounded (not an overflow of the kernels' 64-bit diagonals); fractional
     windows, non-numeric or float32-overflowing softcap and scale raise, naming the argument. Sides below -1 raise
@@ -325,8 +436,8 @@ def test_paged_varlen_lengths_past_the_pages_name_the_argument():
 
 
 def test_flash_attn_alias_runs_flash_attn_imports():
-    """install_flash_attn_alias(): code importing flash_attn (the package, its interface, bert_padding and
-    layers.rotary) runs on flashcore unchanged; idempotent; a flash_attn imported before is refused. In a
+    """install_flash_attn_alias(): code importing flash_attn (the package, its interface, bert_padding,
+    layers.rotary and ops.triton.rotary) runs on flashcore unchanged; idempotent; a flash_attn imported before is refused. In a
     subprocess, so the alias does not leak into the other tests."""
     import subprocess
     import sys
@@ -342,6 +453,9 @@ from flash_attn import flash_attn_func, flash_attn_varlen_func, flash_attn_with_
 from flash_attn.flash_attn_interface import _flash_attn_forward
 from flash_attn.bert_padding import unpad_input, pad_input, IndexFirstAxisResidual, index_first_axis_residual
 from flash_attn.layers.rotary import apply_rotary_emb, RotaryEmbedding, ApplyRotaryEmb, ApplyRotaryEmbQKV_
+from flash_attn.ops.triton.rotary import apply_rotary
+assert importlib.util.find_spec("flash_attn.ops.triton.rotary") is not None
+assert apply_rotary is flashcore.layers.rotary.apply_rotary
 major_minor = tuple(int(x) for x in flash_attn.__version__.split("+")[0].split(".")[:2])
 assert major_minor >= (2, 8) and flash_attn_func is flashcore.flash_attn_func
 q, k, v = (torch.randn(2, 5, 4, 16, dtype=torch.float64) for _ in range(3))

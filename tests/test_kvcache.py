@@ -159,10 +159,16 @@ def expected(inputs, kw):
                     sinks=kw.get("sinks"),
                     alibi=None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b:b + 1]))
         o, l = reference_attention(qb, kb, vb, **mask)
+        # flash-attn's causal kernel adds slope * j instead of -slope * |i + Sk - Sq - j|: its LSE is larger by
+        # slope * (i + Sk - Sq) (flash_attn_interface._flash_alibi_lse)
+        shift = 0.0
+        if alibi is not None and left < 0 and right == 0:
+            slopes = (alibi if alibi.dim() == 1 else alibi[b]).double()
+            shift = slopes[:, None] * (torch.arange(Sq, device=q.device) + kb.size(2) - Sq).double()
         ref_out.append(o[0].transpose(0, 1))
-        ref_lse.append(l[0])
+        ref_lse.append(l[0] + shift)
         low_out.append(lowp_attention(qb, kb, vb, **mask)[0].transpose(0, 1))
-        low_lse.append(l[0] if q.dtype == torch.float64 else lowp_lse(qb, kb, **mask)[0])
+        low_lse.append((l[0] if q.dtype == torch.float64 else lowp_lse(qb, kb, **mask)[0]) + shift)
     return dict(k_cache=k_ref, v_cache=v_ref, written=written, out=torch.stack(ref_out), lse=torch.stack(ref_lse),
                 low_out=torch.stack(low_out), low_lse=torch.stack(low_lse))
 

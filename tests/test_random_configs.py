@@ -107,6 +107,14 @@ def flash_attn_window(left, right, causal, seqlen_q, seqlen_k):
     return left, right
 
 
+def flash_attn_alibi_by_key(left, right, causal, seqlen_k):
+    """Whether flash-attn 2 runs its causal kernel (params.is_causal after mha_fwd's rewrites: left < 0 and
+    right == 0), whose ALiBi adds slope * j (csrc/flash_attn/src/mask.h) and whose LSE its interface returns."""
+    left = -1 if left >= seqlen_k else left
+    right = 0 if causal else (-1 if right >= seqlen_k else right)
+    return left < 0 and right == 0
+
+
 def reference_kwargs(case, sq, sk, slopes, window=None, top_left=False, sinks=None):
     """conftest.reference_attention's options for one sequence (flash-attn aligns masks bottom-right, SDPA top-left);
     `window` the one the call applies (flash_attn_window), the case's own by default."""
@@ -183,11 +191,13 @@ def check_call(case, out, lse, grads, q, k, v, slopes, lens, dout, max_lens):
     # yardstick's largest error over a handful of values is noise.
     if lse.numel() < 32:
         return
+    by_key = slopes is not None and flash_attn_alibi_by_key(*case["window"], case["causal"], max_lens[1])
     q0, k0 = 0, 0
     for b, (sq, sk) in enumerate(lens):
         qs, ks = q[q0:q0 + sq].transpose(0, 1)[None], k[k0:k0 + sk].transpose(0, 1)[None]
         sl = None if slopes is None else (slopes if slopes.dim() == 1 else slopes[b])
-        check_lse(lse[:, q0:q0 + sq][None], qs, ks, **reference_kwargs(case, sq, sk, sl, window))
+        check_lse(lse[:, q0:q0 + sq][None], qs, ks, **reference_kwargs(case, sq, sk, sl, window),
+                  alibi_by_key=by_key)
         q0, k0 = q0 + sq, k0 + sk
 
 

@@ -7,7 +7,8 @@ Same arguments and results as flash-attn 2.8: x (batch, seqlen, nheads, headdim)
 cu_seqlens; cos/sin (seqlen_ro, rotary_dim / 2); the first rotary_dim dims of each head are rotated, GPT-NeoX halves
 (x[i], x[i + rotary_dim / 2]) or, interleaved, GPT-J pairs (x[2i], x[2i + 1]). Token s of sequence b takes row
 s + seqlen_offsets[b] of cos/sin; rows past seqlen_ro leave it unrotated (flash-attn's kernel loads cos 1, sin 0
-there). Computed in float32 (float64 for float64 x) and rounded to x's dtype once, as flash-attn's kernel does;
+there), which only a tensor of offsets can reach: a table shorter than the sequences, or than an int offset plus
+their length, is refused as flash-attn's apply_rotary asserts (RotaryArgumentError). Computed in float32 (float64 for float64 x) and rounded to x's dtype once, as flash-attn's kernel does;
 gradients flow through autograd (the rotation's transpose).
 """
 
@@ -19,7 +20,12 @@ from ..ops import packed_rows
 
 __all__ = ["apply_rotary_emb", "apply_rotary_emb_func", "apply_rotary_emb_torch", "apply_rotary_emb_qkv_",
            "apply_rotary_emb_kv_", "ApplyRotaryEmb", "ApplyRotaryEmbQKV_", "ApplyRotaryEmbKV_", "RotaryEmbedding",
-           "rotate_half", "rotate_rows"]
+           "rotate_half", "rotate_rows", "apply_rotary", "RotaryArgumentError"]
+
+
+class RotaryArgumentError(ValueError, AssertionError):
+    """Arguments flash-attn's apply_rotary refuses by assert (flash_attn/ops/triton/rotary.py): a ValueError as
+    flashcore's argument checks raise, and an AssertionError as flash-attn's."""
 
 
 def rotate_half(x: torch.Tensor, interleaved: bool = False) -> torch.Tensor:
@@ -92,20 +98,37 @@ def _positions(x, seqlen_offsets, cu_seqlens, max_seqlen):
     return pos.unsqueeze(0)
 
 
+def _check_table_rows(x, seqlen_ro, seqlen_offsets, cu_seqlens, max_seqlen, fn):
+    """flash-attn's apply_rotary asserts: max_seqlen given with cu_seqlens, and a table of at least seqlen rows
+    (x's seqlen, or max_seqlen), of seqlen + seqlen_offsets for an int offset. A tensor of offsets is not checked
+    (that would be a sync): its tokens past the table stay unrotated, as in flash-attn's kernel."""
+    if cu_seqlens is not None and max_seqlen is None:
+        raise RotaryArgumentError(f"{fn}: max_seqlen must be given with cu_seqlens")
+    seqlen = x.shape[1] if cu_seqlens is None else int(max_seqlen)
+    if seqlen_ro < seqlen:
+        raise RotaryArgumentError(f"{fn}: cos/sin have {seqlen_ro} rows (seqlen_ro) but the sequences are up to "
+                                  f"{seqlen} tokens long{' (max_seqlen)' if cu_seqlens is not None else ''}: "
+                                  "seqlen_ro must be >= seqlen")
+    if not isinstance(seqlen_offsets, torch.Tensor) and int(seqlen_offsets) + seqlen > seqlen_ro:
+        raise RotaryArgumentError(f"{fn}: seqlen_offsets + seqlen = {int(seqlen_offsets)} + {seqlen} exceeds the "
+                                  f"{seqlen_ro} rows of cos/sin (seqlen_ro)")
+
+
 def _token_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_offsets, cu_seqlens, max_seqlen,
                   fn: str) -> tuple[torch.Tensor, torch.Tensor]:
     """Each token's cos/sin, shaped to broadcast over x's heads: (batch, seqlen, 1, half) for x (batch, seqlen,
     nheads, headdim), (total, 1, half) for packed x (total, nheads, headdim) with cu_seqlens. Rows past seqlen_ro
     take cos 1, sin 0 (unrotated)."""
     if cos.dim() != 2 or sin.shape != cos.shape:
-        raise ValueError(f"{fn}: cos and sin must both be (seqlen_ro, rotary_dim / 2); got {tuple(cos.shape)} and "
-                         f"{tuple(sin.shape)}")
+        raise RotaryArgumentError(f"{fn}: cos and sin must both be (seqlen_ro, rotary_dim / 2); got "
+                                  f"{tuple(cos.shape)} and {tuple(sin.shape)}")
     half = cos.shape[1]
     if 2 * half > x.shape[-1]:
-        raise ValueError(f"{fn}: rotary_dim = 2 * cos.shape[1] = {2 * half} exceeds headdim {x.shape[-1]}")
+        raise RotaryArgumentError(f"{fn}: rotary_dim = 2 * cos.shape[1] = {2 * half} exceeds headdim {x.shape[-1]}")
     if x.dim() != (3 if cu_seqlens is not None else 4):
         raise ValueError(f"{fn}: x must be (batch, seqlen, nheads, headdim), or (total_seqlen, nheads, headdim) with "
                          f"cu_seqlens; got shape {tuple(x.shape)}")
+    _check_table_rows(x, cos.shape[0], seqlen_offsets, cu_seqlens, max_seqlen, fn)
     pos = _positions(x, seqlen_offsets, cu_seqlens, max_seqlen)
     inside = (pos >= 0) & (pos < cos.shape[0])
     row = pos.clamp(0, max(cos.shape[0] - 1, 0))
@@ -182,6 +205,22 @@ def apply_rotary_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inte
 
 # flash-attn's older name
 apply_rotary_emb_func = apply_rotary_emb
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, seqlen_offsets: int | torch.Tensor = 0,
+                 cu_seqlens: torch.Tensor | None = None, max_seqlen: int | None = None, interleaved: bool = False,
+                 inplace: bool = False, conjugate: bool = False) -> torch.Tensor:
+    """flash-attn's `flash_attn.ops.triton.rotary.apply_rotary`, the kernel under apply_rotary_emb: the same
+    rotation, not recorded by autograd (flash-attn's Triton kernel is not; callers wrap it in their own autograd
+    Function), by -sin with conjugate=True (the transpose, a backward's rotation)."""
+    with torch.no_grad():
+        c, s = _token_tables(x, cos, sin, seqlen_offsets, cu_seqlens, max_seqlen, "apply_rotary")
+        if conjugate:
+            s = -s
+        if inplace:
+            _write_rotations(x, [(_ALL, c, s)], interleaved)
+            return x
+        return _rotated(x, c, s, interleaved) if c.size(-1) and x.numel() else x.clone()
 
 
 def _q_and_k_index(qkv: torch.Tensor, num_heads_q: int | None, fn: str) -> tuple[tuple, tuple]:

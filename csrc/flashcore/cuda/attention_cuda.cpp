@@ -798,13 +798,15 @@ std::optional<at::Tensor> bshd_rows(const at::Tensor& t) {
 // R = batch stride / sequence stride: BSHD R = Sk (no gaps); BHSD R = heads x Sk, a static cache's slice R = heads x
 // capacity, the rows between two entries (other heads' keys, unwritten slots) skipped by seqused_k = Sk. The view's
 // last row is entry B-1's last key, so it spans exactly the tensor's memory. Needs K and V of the same R (one
-// cu_seqlens_k serves both), R whole and >= Sk (entries disjoint), int32 offsets and rows TMA can describe.
+// cu_seqlens_k serves both), R whole and >= Sk (entries disjoint), int32 offsets and rows TMA can describe. A caller
+// with its own used lengths (the KV cache's cache_seqlens) passes with_seqused = false: no seqused is built.
 struct PackedBatch {
   at::Tensor key, value, cu_seqlens;
-  std::optional<at::Tensor> seqused;  // none where the rows are back to back
+  std::optional<at::Tensor> seqused;  // none where the rows are back to back, or the caller brings its own
 };
 
-std::optional<PackedBatch> packed_batch_rows(const at::Tensor& key, const at::Tensor& value) {
+std::optional<PackedBatch> packed_batch_rows(const at::Tensor& key, const at::Tensor& value,
+                                             bool with_seqused = true) {
   const int64_t B = key.size(0), Sk = key.size(2);
   const std::optional<at::Tensor> k_bshd = bshd_rows(key), v_bshd = bshd_rows(value);
   if (k_bshd && v_bshd) return PackedBatch{*k_bshd, *v_bshd, equal_offsets(B, Sk, key.options()), std::nullopt};
@@ -821,7 +823,7 @@ std::optional<PackedBatch> packed_batch_rows(const at::Tensor& key, const at::Te
   if (!packed_tma_ready(p.key) || !packed_tma_ready(p.value)) return std::nullopt;
   const auto ints = key.options().dtype(at::kInt);
   p.cu_seqlens = at::arange(0, B * R + 1, R, ints).clamp_max_(rows);  // the last entry ends at the view's end
-  p.seqused = at::full({B}, Sk, ints);
+  if (with_seqused) p.seqused = at::full({B}, Sk, ints);
   return p;
 }
 
@@ -898,14 +900,15 @@ bool kvcache_prefill_on_varlen(const at::Tensor& query, const at::Tensor& key_ca
     };
     k = pages(key_cache), v = pages(value_cache);
   } else if (const std::optional<PackedBatch> rows = packed_batch_rows(key_cache.narrow(0, 0, B).transpose(1, 2),
-                                                                       value_cache.narrow(0, 0, B).transpose(1, 2))) {
-    k = rows->key, v = rows->value, cu_k = rows->cu_seqlens;
+                                                                       value_cache.narrow(0, 0, B).transpose(1, 2),
+                                                                       /*with_seqused=*/false)) {
+    k = rows->key, v = rows->value, cu_k = rows->cu_seqlens;  // TMA-ready: packed_batch_rows checked them
   }
-  if (!k || !v) return false;
+  if (!k || !v || (paged && (!packed_tma_ready(*k) || !packed_tma_ready(*v)))) return false;
   const at::Tensor q = query.reshape({B * Sq, Hq, D});
   // The entry select_varlen_fwd_kernel picks (short_rows_on_sm90, not forced to sm80) where TMA can read the tensors.
   const cuda::FwdKernelEntry* sm90 = sm90_varlen_fwd_entry(D, query.scalar_type(), transforms_scores(opts));
-  if (sm90 == nullptr || !packed_tma_ready(q) || !packed_tma_ready(*k) || !packed_tma_ready(*v)) return false;
+  if (sm90 == nullptr || !packed_tma_ready(q)) return false;
   const sm90::VarlenFwdPack grid = sm90::varlen_fwd_pack(Hq, k->size(1), Sq, sm90->head_dim_tile, pack_gqa_mode());
   // The grid as the launcher runs it: key splits multiply a grid of at most one cluster an SM pair over long caches
   // (sm90::varlen_fwd_max_key_splits), and then from kSplitPrefillMinTokens even blocks half padding beat the
