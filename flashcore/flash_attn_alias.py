@@ -1,6 +1,6 @@
 """Code written for flash-attn 2.x, unchanged: install_flash_attn_alias() makes `import flash_attn` (and its
-`flash_attn_interface`, `bert_padding`, `layers.rotary` and `ops.triton.rotary` modules) resolve to flashcore's
-implementations of them.
+`flash_attn_interface`, `bert_padding`, `layers.rotary` and `ops.triton.rotary` modules, and its extension
+`flash_attn_2_cuda`) resolve to flashcore's implementations of them.
 
     import flashcore
     flashcore.install_flash_attn_alias()
@@ -26,7 +26,7 @@ def install_flash_attn_alias() -> types.ModuleType:
     """Registers `flash_attn`, `flash_attn.flash_attn_interface`, `flash_attn.bert_padding`, `flash_attn.layers`,
     `flash_attn.layers.rotary` and `flash_attn.ops.triton.rotary` in sys.modules (idempotent) and returns the
     `flash_attn` alias."""
-    from . import bert_padding, flash_attn_interface
+    from . import bert_padding, flash_attn_gpu, flash_attn_interface
     from .layers import rotary
 
     current = sys.modules.get("flash_attn")
@@ -64,6 +64,9 @@ def install_flash_attn_alias() -> types.ModuleType:
         "flash_attn.ops.triton": triton,
         "flash_attn.ops.triton.rotary": triton_rotary,
     })
+    # flash-attn's extension module, which code imports as `import flash_attn_2_cuda as flash_attn_gpu`; a real one
+    # already imported stays
+    sys.modules.setdefault("flash_attn_2_cuda", flash_attn_gpu)
     return package
 
 

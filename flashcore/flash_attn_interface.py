@@ -895,3 +895,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         lens_k = seqlens.long() - (cache_leftpad.long() if cache_leftpad is not None else 0)
         lse = _dense_alibi_lse(lse, alibi_slopes, lens_k - Sq)
     return out, lse
+
+
+# flash-attn's interface module imports its extension as `flash_attn_gpu`; code that reaches for it finds flashcore's
+# form of those entry points here (flash_attn_gpu.py).
+from . import flash_attn_gpu  # noqa: E402

@@ -257,6 +257,58 @@ def test_alibi_lse_as_flash_attn(causal, window, causal_form, per_batch):
         torch.testing.assert_close(lse[b], want, rtol=1e-10, atol=1e-10)
 
 
+def test_extension_entry_points_as_flash_attn_gpu():
+    """flash_attn_interface.flash_attn_gpu (flash-attn's extension, flash_attn_2_cuda): the C++ functions' positional
+    arguments and list returns, outputs written into the caller's tensors, on the same results as the lower-level
+    Python functions; a non-None RNG slot raises as flash-attn's current extension does."""
+    gpu = fai.flash_attn_gpu
+    q, k, v = (x.requires_grad_() for x in _inputs(2, 9, 11, seed=4))
+    slopes, scale = torch.tensor([0.3, 0.1]), 0.25
+    want, want_lse = flashcore.flash_attn_func(q, k, v, 0.0, scale, True, (5, 0), 0.0, slopes,
+                                               return_attn_probs=True)[:2]
+    dout = torch.randn_like(want)
+    grads = torch.autograd.grad(want, (q, k, v), dout)
+    q, k, v = q.detach(), k.detach(), v.detach()
+    out = torch.full_like(q, float("nan"))
+    got = gpu.fwd(q, k, v, out, slopes, 0.0, scale, True, 5, 0, 0.0, False, None)
+    assert len(got) == 4 and got[0] is out
+    torch.testing.assert_close(out, want.detach(), rtol=0, atol=0)
+    torch.testing.assert_close(got[1], want_lse, rtol=0, atol=0)
+    dq = torch.full_like(q, float("nan"))
+    dq_, dk, dv, softmax_d = gpu.bwd(dout, q, k, v, out, got[1], dq, None, None, slopes, 0.0, scale, True, 5, 0, 0.0,
+                                     False, None, got[3])
+    assert dq_ is dq and softmax_d.shape == (2, 2, 128)
+    for g, ref in zip((dq, dk, dv), grads):
+        torch.testing.assert_close(g, ref, rtol=1e-10, atol=1e-12)
+    # varlen: the batch as two sequences of 9 queries and 11 keys
+    cu_q, cu_k = torch.tensor([0, 9, 18], dtype=torch.int32), torch.tensor([0, 11, 22], dtype=torch.int32)
+    qv, kv, vv, dv_out = (x.flatten(0, 1) for x in (q, k, v, dout))
+    res = gpu.varlen_fwd(qv, kv, vv, None, cu_q, cu_k, None, None, None, slopes, 9, 11, 0.0, scale, False, True, 5, 0,
+                         0.0, False, None, 0)
+    torch.testing.assert_close(res[0], want.detach().flatten(0, 1), rtol=0, atol=0)
+    dqv, dkv, dvv, _ = gpu.varlen_bwd(dv_out, qv, kv, vv, res[0], res[1], None, None, None, cu_q, cu_k, slopes, 9, 11,
+                                      0.0, scale, False, True, 5, 0, 0.0, False, None, None)
+    for g, ref in zip((dqv, dkv, dvv), grads):
+        torch.testing.assert_close(g, ref.flatten(0, 1), rtol=1e-10, atol=1e-12)
+    # the KV cache: k/v appended in place, [out, softmax_lse]
+    kc, vc = torch.zeros(2, 16, 1, D, dtype=torch.float64), torch.zeros(2, 16, 1, D, dtype=torch.float64)
+    kc2, vc2 = kc.clone(), vc.clone()
+    lens = torch.tensor([0, 3], dtype=torch.int32)
+    out_kv, lse_kv = gpu.fwd_kvcache(q[:, :2], kc, vc, k[:, :4], v[:, :4], lens, None, None, None, None, None, slopes,
+                                     None, scale, True, -1, -1, 0.0, True, 0)
+    want_kv, want_lse_kv = fai.flash_attn_with_kvcache(q[:, :2], kc2, vc2, k[:, :4], v[:, :4], cache_seqlens=lens,
+                                                       softmax_scale=scale, causal=True, alibi_slopes=slopes,
+                                                       return_softmax_lse=True)
+    torch.testing.assert_close(out_kv, want_kv, rtol=0, atol=0)
+    torch.testing.assert_close(lse_kv, want_lse_kv, rtol=0, atol=0)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2) and kc[1, 3:7].abs().sum() > 0
+    for call in (lambda: gpu.fwd(q, k, v, None, None, 0.0, scale, True, -1, -1, 0.0, False, torch.empty(1)),
+                 lambda: gpu.bwd(dout, q, k, v, out, got[1], None, None, None, None, 0.0, scale, True, -1, -1, 0.0,
+                                 False, torch.empty(1), None)):
+        with pytest.raises(RuntimeError, match="generator` argument is no longer supported"):
+            call()
+
+
 def test_window_and_float_arguments():
     """A window side past any length is unbounded (not an overflow of the kernels' 64-bit diagonals); fractional
     windows, non-numeric or float32-overflowing softcap and scale raise, naming the argument. Sides below -1 raise
@@ -437,7 +489,7 @@ def test_paged_varlen_lengths_past_the_pages_name_the_argument():
 
 def test_flash_attn_alias_runs_flash_attn_imports():
     """install_flash_attn_alias(): code importing flash_attn (the package, its interface, bert_padding,
-    layers.rotary and ops.triton.rotary) runs on flashcore unchanged; idempotent; a flash_attn imported before is refused. In a
+    layers.rotary and ops.triton.rotary, the extension flash_attn_2_cuda) runs on flashcore unchanged; idempotent; a flash_attn imported before is refused. In a
     subprocess, so the alias does not leak into the other tests."""
     import subprocess
     import sys
@@ -454,6 +506,9 @@ from flash_attn.flash_attn_interface import _flash_attn_forward
 from flash_attn.bert_padding import unpad_input, pad_input, IndexFirstAxisResidual, index_first_axis_residual
 from flash_attn.layers.rotary import apply_rotary_emb, RotaryEmbedding, ApplyRotaryEmb, ApplyRotaryEmbQKV_
 from flash_attn.ops.triton.rotary import apply_rotary
+import flash_attn_2_cuda
+from flash_attn.flash_attn_interface import flash_attn_gpu, _get_block_size_n, USE_TRITON_ROCM
+assert flash_attn_gpu is flash_attn_2_cuda and not USE_TRITON_ROCM
 assert importlib.util.find_spec("flash_attn.ops.triton.rotary") is not None
 assert apply_rotary is flashcore.layers.rotary.apply_rotary
 major_minor = tuple(int(x) for x in flash_attn.__version__.split("+")[0].split(".")[:2])
