@@ -10,12 +10,20 @@
 
 Opt-in, never on import: a real flash-attn already imported in the process is refused (the two would mix), and
 one importable but not yet imported is shadowed for this process only. The alias reports flash-attn's version as
-the interface's, with a local label ("2.8.4+flashcore"), so code that gates features on it sees 2.8's.
+the interface's, with a local label ("2.8.4+flashcore"), so code that gates features on it sees 2.8's: as
+`flash_attn.__version__` and as installed-package metadata (`importlib.metadata.version("flash_attn")`, and
+`packages_distributions()` mapping `flash_attn` to `flash-attn`), which is what availability checks read. So
+transformers' own `attn_implementation="flash_attention_2"` runs on flashcore too when the alias is installed before
+transformers first asks (it caches the answer).
 """
 
 from __future__ import annotations
 
+import importlib.abc
 import importlib.machinery
+import importlib.metadata
+import pathlib
+import re
 import sys
 import types
 
@@ -67,7 +75,37 @@ def install_flash_attn_alias() -> types.ModuleType:
     # flash-attn's extension module, which code imports as `import flash_attn_2_cuda as flash_attn_gpu`; a real one
     # already imported stays
     sys.modules.setdefault("flash_attn_2_cuda", flash_attn_gpu)
+    # the metadata first on the path, as the modules shadow an installed flash-attn's
+    if not any(isinstance(f, _AliasDistributionFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _AliasDistributionFinder())
     return package
+
+
+class _AliasDistribution(importlib.metadata.Distribution):
+    """flash-attn's installed-package metadata as the alias reports it: name, version, top-level modules."""
+
+    _files = {
+        "METADATA": f"Metadata-Version: 2.1\nName: flash-attn\nVersion: {FLASH_ATTN_VERSION}\n"
+                    "Summary: flashcore's implementation of flash-attn 2.x's interface (install_flash_attn_alias)\n",
+        "top_level.txt": "flash_attn\nflash_attn_2_cuda\n",
+    }
+
+    def read_text(self, filename):
+        return self._files.get(filename)
+
+    def locate_file(self, path):
+        return pathlib.Path(__file__).parent / path
+
+
+class _AliasDistributionFinder(importlib.abc.MetaPathFinder):
+    """Finds no module (sys.modules holds the alias's) but answers importlib.metadata's queries for flash-attn."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        return None
+
+    def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        if context.name is None or re.sub(r"[-_.]+", "-", context.name).lower() == "flash-attn":
+            yield _AliasDistribution()
 
 
 def _package(name: str) -> types.ModuleType:

@@ -509,6 +509,9 @@ from flash_attn.ops.triton.rotary import apply_rotary
 import flash_attn_2_cuda
 from flash_attn.flash_attn_interface import flash_attn_gpu, _get_block_size_n, USE_TRITON_ROCM
 assert flash_attn_gpu is flash_attn_2_cuda and not USE_TRITON_ROCM
+import importlib.metadata
+assert importlib.metadata.version("flash_attn") == importlib.metadata.version("flash-attn") == flash_attn.__version__
+assert "flash-attn" in importlib.metadata.packages_distributions()["flash_attn"]
 assert importlib.util.find_spec("flash_attn.ops.triton.rotary") is not None
 assert apply_rotary is flashcore.layers.rotary.apply_rotary
 major_minor = tuple(int(x) for x in flash_attn.__version__.split("+")[0].split(".")[:2])

@@ -144,6 +144,58 @@ def test_import_is_optional():
     assert res.returncode == 0, res.stderr[-2000:]
 
 
+FLASH_ATTENTION_2_SCRIPT = r"""
+import sys, torch, flashcore
+flashcore.install_flash_attn_alias()  # before transformers: it caches what it finds installed
+import flashcore.flash_attn_interface as fai
+from transformers import AutoModelForCausalLM, LlamaConfig
+from transformers.utils import import_utils
+dev = sys.argv[1]
+if dev == "cpu":
+    # transformers offers flash_attention_2 only with CUDA; the alias's functions run on the CPU as well
+    import_utils.is_torch_cuda_available = lambda: True
+    import_utils.is_flash_attn_2_available.cache_clear()
+assert import_utils.is_flash_attn_2_available()
+calls = []
+for name in ("_attention_bshd", "_varlen"):  # the bodies of flash_attn_func and flash_attn_varlen_func
+    def counted(*a, _f=getattr(fai, name), **k):
+        calls.append(_f)
+        return _f(*a, **k)
+    setattr(fai, name, counted)
+cfg = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, max_position_embeddings=256, initializer_range=0.1, pad_token_id=0)
+dtype = torch.bfloat16  # transformers' flash_attention_2 takes half dtypes only
+torch.manual_seed(0)
+ref = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa", dtype=dtype).to(dev).eval()
+fa2 = AutoModelForCausalLM.from_config(cfg, attn_implementation="flash_attention_2", dtype=dtype).to(dev).eval()
+fa2.load_state_dict(ref.state_dict())
+ids = torch.randint(1, 128, (2, 24), device=dev)
+mask = torch.ones_like(ids)
+mask[0, :5] = 0  # left padding
+with torch.no_grad():
+    want, got = ref(ids, attention_mask=mask).logits, fa2(ids, attention_mask=mask).logits
+assert len(calls) >= 2 and all(f.__name__ == "_varlen" for f in calls), calls  # the padded batch: varlen
+err = (want - got)[mask.bool()].abs().max().item()
+assert err <= 5e-2, err
+gen_ref = ref.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+gen = fa2.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+assert torch.equal(gen_ref, gen), (gen_ref, gen)
+print("ok", err)
+"""
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=requires_cuda)])
+def test_flash_attention_2_through_the_alias(device):
+    """Code written for transformers' own attn_implementation="flash_attention_2" runs on flashcore unchanged once
+    install_flash_attn_alias() ran: transformers finds flash-attn installed (the alias's metadata), imports its
+    functions from `flash_attn` and gets flashcore's; logits match sdpa's and greedy generation from left-padded
+    prompts gives the same tokens. In a subprocess: the alias must come before transformers is imported."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    res = subprocess.run([sys.executable, "-c", FLASH_ATTENTION_2_SCRIPT, device], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0 and res.stdout.startswith("ok"), res.stdout[-2000:] + res.stderr[-4000:]
+
+
 def test_from_config_and_set_attn_implementation(monkeypatch):
     """Both ways of selecting the backend run every attention layer through flashcore, with the same results."""
     counter = CallCounter(monkeypatch)
