@@ -44,12 +44,10 @@ def install_flash_attn_alias() -> types.ModuleType:
         raise RuntimeError(
             "install_flash_attn_alias: a flash_attn package is already imported in this process "
             f"({getattr(current, '__file__', current)!r}); flashcore will not replace it")
-    package = types.ModuleType("flash_attn", "flashcore's implementation of flash-attn 2.x's interface")
+    package = _package("flash_attn")
+    package.__doc__ = "flashcore's implementation of flash-attn 2.x's interface"
     package.__flashcore_alias__ = True
     package.__version__ = FLASH_ATTN_VERSION
-    package.__path__ = []  # a package: its submodules resolve through sys.modules
-    # A spec, so that importlib.util.find_spec("flash_attn") (availability checks) answers instead of raising.
-    package.__spec__ = importlib.machinery.ModuleSpec("flash_attn", None, is_package=True)
     for name in flash_attn_interface.__all__:  # the seven functions flash-attn's package exports at its top level
         setattr(package, name, getattr(flash_attn_interface, name))
     layers = _package("flash_attn.layers")
@@ -104,12 +102,15 @@ class _AliasDistributionFinder(importlib.abc.MetaPathFinder):
         return None
 
     def find_distributions(self, context=importlib.metadata.DistributionFinder.Context()):
+        if "path" in vars(context):  # a search of given directories: the alias is installed in none
+            return
         if context.name is None or re.sub(r"[-_.]+", "-", context.name).lower() == "flash-attn":
             yield _AliasDistribution()
 
 
 def _package(name: str) -> types.ModuleType:
-    """An empty package module whose submodules resolve through sys.modules, with a spec for find_spec."""
+    """An empty package module whose submodules resolve through sys.modules (an empty __path__), with a spec, so that
+    importlib.util.find_spec (availability checks) answers instead of raising."""
     module = types.ModuleType(name)
     module.__path__ = []
     module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)

@@ -16,7 +16,7 @@ Where flash-attn's documentation and its kernels differ, this module follows the
 as flash-attn's C++ side rewrites it (_flash_window), and inputs of any strides are accepted (maybe_contiguous).
 The lower-level _flash_attn_forward / _flash_attn_backward (and varlen) functions keep flash-attn 2.8's signatures.
 One deliberate difference: a row that sees no key has LSE -inf (flash-attn 2 writes +inf), out 0 in both. Under
-ALiBi the returned softmax_lse is flash-attn's too where its causal kernel runs (_flash_alibi_lse).
+ALiBi the returned softmax_lse is flash-attn's too where its causal kernel runs (_shift_alibi_lse).
 """
 
 from __future__ import annotations
@@ -69,19 +69,24 @@ _varlen_bwd_op = torch.ops.flashcore.varlen_bwd.default
 _kvcache_fwd_op = torch.ops.flashcore.kvcache_fwd.default
 
 
-def _flash_window(left, right, causal, seqlen_q, seqlen_k):
-    """The window flash-attn 2's kernels apply for window_size=(left, right) (csrc/flash_attn/flash_api.cpp: mha_fwd,
-    mha_varlen_fwd and mha_fwd_kvcache, then set_params_fprop): causal sets right = 0; a side >= seqlen_k becomes
-    unbounded; then a one-sided window gets seqlen_k on its unbounded side. The last step changes the mask where
-    seqlen_q > seqlen_k + 1 (query i then sees keys up to i + 2 seqlen_k - seqlen_q only). Bounds that no query meets
-    (left >= seqlen_k - 1, right >= seqlen_q - 1) go back to -1, so the op keeps its unbanded kernels. Varlen calls
-    pass max_seqlen_q/k, as flash-attn does. A negative side is unbounded, as in flash-attn's C++ (flashcore's own
-    API refuses values below -1)."""
+def _flash_cpp_window(left, right, causal, seqlen_k):
+    """The first of flash-attn 2's C++ rewrites of window_size (csrc/flash_attn/flash_api.cpp: mha_fwd, mha_varlen_fwd
+    with max_seqlen_k, mha_fwd_kvcache with the cache's capacity): a negative side or one >= seqlen_k is unbounded
+    (-1), causal sets right = 0. flash-attn runs its causal kernel (params.is_causal) iff then left < 0 and right == 0.
+    A negative side is unbounded as in flash-attn's C++ (flashcore's own API refuses values below -1)."""
     left, right = max(left, -1), max(right, -1)
-    if causal:
-        right = 0
     left = -1 if left >= seqlen_k else left
-    right = -1 if right >= seqlen_k else right
+    right = 0 if causal else (-1 if right >= seqlen_k else right)
+    return left, right
+
+
+def _flash_window(left, right, causal, seqlen_q, seqlen_k):
+    """The window flash-attn 2's kernels apply for window_size=(left, right): _flash_cpp_window, then (set_params_fprop)
+    a one-sided window gets seqlen_k on its unbounded side. That last step changes the mask where seqlen_q > seqlen_k
+    + 1 (query i then sees keys up to i + 2 seqlen_k - seqlen_q only). Bounds that no query meets (left >= seqlen_k -
+    1, right >= seqlen_q - 1) go back to -1, so the op keeps its unbanded kernels. Varlen calls pass max_seqlen_q/k,
+    as flash-attn does."""
+    left, right = _flash_cpp_window(left, right, causal, seqlen_k)
     if left < 0 and right >= 0:
         left = seqlen_k
     if left >= 0 and right < 0:
@@ -91,52 +96,75 @@ def _flash_window(left, right, causal, seqlen_q, seqlen_k):
     return left, right
 
 
-def _causal_alibi_kernel(alibi_slopes, causal, left, right, seqlen_k):
-    """Whether flash-attn 2 would run this call's ALiBi on its causal kernel: params.is_causal, i.e. after its C++
-    rewrites (a side >= seqlen_k unbounded, causal sets right = 0) left < 0 and right == 0 (flash_api.cpp: mha_fwd,
-    mha_varlen_fwd, mha_fwd_kvcache, set_params_fprop). left/right as the caller gave them (window_pair)."""
-    if alibi_slopes is None:
+def _causal_alibi_kernel(alibi_slopes, sinks, causal, left, right, seqlen_k):
+    """Whether the returned LSE takes flash-attn's causal-kernel ALiBi form (_shift_alibi_lse): ALiBi on a call that
+    flash-attn 2 runs on its causal kernel (_flash_cpp_window). Not with sinks, which flash-attn 2 does not have: the
+    LSE is then flashcore's own, of the defined logits and the sink."""
+    if alibi_slopes is None or sinks is not None:
         return False
-    left = -1 if left >= seqlen_k else left
-    right = 0 if causal else (-1 if right >= seqlen_k else right)
+    left, right = _flash_cpp_window(left, right, causal, seqlen_k)
     return left < 0 and right == 0
 
 
-def _flash_alibi_lse(lse, alibi_slopes, diagonal, slope_rows, sign=1.0):
+def _shift_alibi_lse(lse, slopes, diagonal, sign):
     """softmax_lse as flash-attn 2's causal kernel writes it under ALiBi (sign=1), or back to flashcore's (sign=-1).
     That kernel adds slope * j to key j's score (csrc/flash_attn/src/mask.h, Mask::apply_mask: "Simpler, we add the
     same bias vector to all rows") where its other kernels, and flashcore's, add -slope * |i + Sk - Sq - j|; within
     a causal row (j <= i + Sk - Sq) the two differ by slope * (i + Sk - Sq) for every key, so probabilities, out and
-    gradients agree and only the LSE moves by it. diagonal: i + Sk - Sq of each lse entry (broadcast against lse);
-    slope_rows: the slopes broadcast against lse. Rows that see no key stay -inf."""
-    return lse + sign * slope_rows * diagonal.to(lse.dtype)
+    gradients agree and only the LSE moves by it. diagonal: i + Sk - Sq of each lse entry and slopes, both
+    broadcast against lse. Rows that see no key stay -inf. The float32 LSE carries the shift's magnitude, so a
+    round trip (the lower-level forward, then backward) loses what flash-attn's own LSE loses: ~1e-3 relative in
+    the gradients at slope 0.5 and 100k keys."""
+    return lse + sign * slopes * diagonal.to(lse.dtype)
 
 
 def _dense_alibi_lse(lse, alibi_slopes, seqlen_k_minus_q, sign=1.0):
-    """_flash_alibi_lse for lse (batch, heads, seqlen_q); seqlen_k_minus_q an int or a (batch,) tensor."""
-    B, H, Sq = lse.shape
-    diagonal = torch.arange(Sq, device=lse.device)
+    """_shift_alibi_lse for lse (batch, heads, seqlen_q); seqlen_k_minus_q an int (a size) or a (batch,) tensor."""
+    Sq = lse.size(-1)
+    diagonal = torch.arange(Sq, device=lse.device)[None, None, :]  # (1, 1, Sq)
     if isinstance(seqlen_k_minus_q, torch.Tensor):
-        diagonal = diagonal[None, :] + seqlen_k_minus_q.to(lse.device).long()[:, None]
+        diagonal = diagonal + seqlen_k_minus_q.to(lse.device).long()[:, None, None]  # (batch, 1, Sq)
     else:
-        diagonal = diagonal + int(seqlen_k_minus_q)
-    diagonal = diagonal.view(-1, 1, Sq)
-    slopes = alibi_slopes.to(lse.device).view(-1, H, 1)  # (1 or batch, heads, 1)
-    return _flash_alibi_lse(lse, alibi_slopes, diagonal, slopes, sign)
+        diagonal = diagonal + seqlen_k_minus_q
+    slopes = alibi_slopes.to(lse.device)
+    slopes = slopes[:, :, None] if slopes.dim() == 2 else slopes[None, :, None]  # (1 or batch, heads, 1)
+    return _shift_alibi_lse(lse, slopes, diagonal, sign)
 
 
-def _varlen_alibi_lse(lse, alibi_slopes, cu_seqlens_q, lens_k, sign=1.0):
-    """_flash_alibi_lse for a varlen lse (heads, total_q): row t of sequence b at i = t - cu_seqlens_q[b], with
-    Sq = that sequence's queries and Sk = lens_k[b]. Device ops only, no sync."""
-    H, total_q = lse.shape
+def _varlen_alibi_lse(lse, alibi_slopes, cu_seqlens_q, lens_k, max_seqlen_q, sign=1.0):
+    """_shift_alibi_lse for a varlen lse (heads, total_q): row t of sequence b at i = t - cu_seqlens_q[b], Sq that
+    sequence's queries as the kernels clamp them (seqlen.h: varlen_seqlen_q) and Sk = lens_k[b] (as the caller's
+    kernel clamps it). Device ops only, no sync."""
+    total_q = lse.size(-1)
     if total_q == 0 or cu_seqlens_q.numel() < 2:
         return lse
     t, b = packed_rows(cu_seqlens_q, total_q)
-    starts = cu_seqlens_q[:-1].long()
-    lens_q = cu_seqlens_q[1:].long() - starts
+    cu = cu_seqlens_q.long()
+    starts = cu[:-1].clamp(0, total_q)
+    lens_q = (torch.maximum(cu[1:].clamp(max=total_q), starts) - starts).clamp(max=max(int(max_seqlen_q), 0))
     diagonal = (t - starts[b] + lens_k.long()[b] - lens_q[b])[None, :]
     slopes = alibi_slopes[:, None] if alibi_slopes.dim() == 1 else alibi_slopes[b].transpose(0, 1)  # (H, 1 or total)
-    return _flash_alibi_lse(lse, alibi_slopes, diagonal, slopes, sign)
+    return _shift_alibi_lse(lse, slopes, diagonal, sign)
+
+
+def _varlen_key_lengths(cu_seqlens_k, seqused_k, total_k, max_seqlen_k):
+    """Each sequence's keys as the varlen kernels clamp them (seqlen.h: varlen_seq_info): cu_seqlens_k into the
+    tensor, seqused_k into that, both into max_seqlen_k."""
+    cu = cu_seqlens_k.long()
+    begin = cu[:-1].clamp(0, total_k)
+    lens = torch.maximum(cu[1:].clamp(max=total_k), begin) - begin
+    if seqused_k is not None:
+        lens = torch.minimum(seqused_k.long().clamp(min=0), lens)
+    return lens.clamp(max=max(int(max_seqlen_k), 0))
+
+
+def _cache_key_lengths(seqlens, cache_leftpad, capacity):
+    """Each KV-cache entry's keys as the kernels clamp them (paged_kv.h: kv_seq): its end into the capacity, its left
+    pad into its end."""
+    end = seqlens.long().clamp(0, capacity)
+    if cache_leftpad is None:
+        return end
+    return end - torch.minimum(cache_leftpad.long().clamp(min=0), end)
 
 
 def _scale(softmax_scale, head_dim, fn):
@@ -209,7 +237,7 @@ def _attention_bshd(q, k, v, dropout_p, softmax_scale, causal, window_size, soft
         out = out[..., :head_dim]
     if not return_attn_probs:
         return out
-    if _causal_alibi_kernel(alibi_slopes, causal, *window, k.size(1)):
+    if _causal_alibi_kernel(alibi_slopes, sinks, causal, *window, k.size(1)):
         lse = _dense_alibi_lse(lse, alibi_slopes, k.size(1) - q.size(1))
     return out, lse, _no_dropout_mask(q)
 
@@ -287,9 +315,13 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
             out = out[..., :head_dim]
     if not return_attn_probs:
         return out
-    if _causal_alibi_kernel(alibi_slopes, causal, *window, max_seqlen_k):
-        lens_k = seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1]
-        lse = _varlen_alibi_lse(lse, alibi_slopes, cu_seqlens_q, lens_k)
+    if _causal_alibi_kernel(alibi_slopes, sinks, causal, *window, max_seqlen_k):
+        if block_table is not None:  # the KV-cache op's lengths, clamped into the pages
+            lens_k = _cache_key_lengths(seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1],
+                                        None, block_table.size(1) * k.size(1))
+        else:
+            lens_k = _varlen_key_lengths(cu_seqlens_k, seqused_k, k.size(0), max_seqlen_k)
+        lse = _varlen_alibi_lse(lse, alibi_slopes, cu_seqlens_q, lens_k, max_seqlen_q)
     return out, lse, _no_dropout_mask(q)
 
 
@@ -485,7 +517,8 @@ def _flash_attn_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
     _check_dropout(dropout_p, fn)
     window = window_pair((window_size_left, window_size_right), fn)
     left, right = _flash_window(*window, causal, q.size(1), k.size(1))
-    if _causal_alibi_kernel(alibi_slopes, causal, *window, k.size(1)):  # the LSE as _flash_attn_forward returned it
+    alibi_slopes = _float32_vector(alibi_slopes, "alibi_slopes", fn)
+    if _causal_alibi_kernel(alibi_slopes, None, causal, *window, k.size(1)):  # as _flash_attn_forward returned it
         softmax_lse = _dense_alibi_lse(softmax_lse, alibi_slopes, k.size(1) - q.size(1), sign=-1.0)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     head_dim = q.size(-1)
@@ -531,9 +564,10 @@ def _flash_attn_varlen_backward(dout, q, k, v, out, softmax_lse, dq, dk, dv, cu_
     _check_dropout(dropout_p, fn)
     window = window_pair((window_size_left, window_size_right), fn)
     left, right = _flash_window(*window, causal, int(max_seqlen_q), int(max_seqlen_k))
-    if _causal_alibi_kernel(alibi_slopes, causal, *window, int(max_seqlen_k)):  # as the varlen forward returned it
-        softmax_lse = _varlen_alibi_lse(softmax_lse, alibi_slopes, cu_seqlens_q,
-                                        cu_seqlens_k[1:] - cu_seqlens_k[:-1], sign=-1.0)
+    alibi_slopes = _float32_vector(alibi_slopes, "alibi_slopes", fn)
+    if _causal_alibi_kernel(alibi_slopes, None, causal, *window, int(max_seqlen_k)):  # as the forward returned it
+        lens_k = _varlen_key_lengths(cu_seqlens_k, None, k.size(0), max_seqlen_k)
+        softmax_lse = _varlen_alibi_lse(softmax_lse, alibi_slopes, cu_seqlens_q, lens_k, max_seqlen_q, sign=-1.0)
     softmax_scale = _scale(softmax_scale, q.size(-1), fn)
     head_dim = q.size(-1)
     (q_, k_, v_, o_, do_), _ = pad_head_dim([maybe_contiguous(x) for x in (q, k, v, out, dout)])
@@ -840,16 +874,12 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
     causal = custom_op_flag_arg(causal, "causal", fn)
     rotary_interleaved = custom_op_flag_arg(rotary_interleaved, "rotary_interleaved", fn)
     return_softmax_lse = custom_op_flag_arg(return_softmax_lse, "return_softmax_lse", fn)
-    left, right = window_pair(window_size, fn)
-    if causal:
-        right = 0
     # flash-attn's mha_fwd_kvcache: a window side as long as the cache is unbounded (-1); that also decides whether
     # the call is "local" for the rotary positions of q below. The kernel's window: _flash_window (seqlen_k is the
     # cache's capacity there).
-    left = -1 if left >= capacity else left
-    right = -1 if right >= capacity else right
+    left, right = _flash_cpp_window(*window_pair(window_size, fn), causal, capacity)
     local = left >= 0 or right >= 0
-    causal_alibi = _causal_alibi_kernel(alibi_slopes, causal, left, right, capacity)
+    causal_alibi = _causal_alibi_kernel(alibi_slopes, sinks, causal, left, right, capacity)
     left, right = _flash_window(left, right, causal, Sq, capacity)
     softcap = _flash_softcap(softcap, fn)
     softmax_scale = _scale(softmax_scale, D, fn)
@@ -891,9 +921,8 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
         out = out[..., :head_dim]
     if not return_softmax_lse:
         return out
-    if causal_alibi:  # an entry's keys: its length past cache_leftpad (flash-attn's block_info.h actual_seqlen_k)
-        lens_k = seqlens.long() - (cache_leftpad.long() if cache_leftpad is not None else 0)
-        lse = _dense_alibi_lse(lse, alibi_slopes, lens_k - Sq)
+    if causal_alibi:  # an entry's keys past cache_leftpad (flash-attn's block_info.h actual_seqlen_k), clamped
+        lse = _dense_alibi_lse(lse, alibi_slopes, _cache_key_lengths(seqlens, cache_leftpad, capacity) - Sq)
     return out, lse
 
 

@@ -146,10 +146,10 @@ def test_lower_level_forward_backward(window):
         fai._flash_attn_forward(q, k, v, 0.1, scale, True, -1, -1, 0.0, None, False)
 
 
-def _flash_alibi_lse_ref(q, k, slopes, Sq, Sk, causal_form, window=(-1, -1), leftpad=0):
+def _flash_alibi_lse_ref(q, k, slopes, Sq, Sk, causal_form, window=(-1, -1)):
     """float64 softmax_lse (heads, Sq) of one sequence as flash-attn 2's kernels write it under ALiBi: the causal
-    kernel adds slope * j to key j's score (mask.h, Mask::apply_mask), the others -slope * |i + Sk - Sq - j|; keys
-    before leftpad do not exist (k holds the entry's keys from leftpad on)."""
+    kernel adds slope * j to key j's score (mask.h, Mask::apply_mask), the others -slope * |i + Sk - Sq - j|; k holds
+    the sequence's keys (a KV-cache entry's from its left pad on)."""
     s = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * D ** -0.5
     i = torch.arange(Sq)[:, None]
     j = torch.arange(Sk)[None, :]
@@ -167,9 +167,11 @@ def _flash_alibi_lse_ref(q, k, slopes, Sq, Sk, causal_form, window=(-1, -1), lef
 
 
 # (causal, window_size, whether flash-attn runs its causal kernel) for seqlen_k 7: a left side >= seqlen_k is
-# unbounded, so (9, 0) is causal too; (2, 0) is a local window (the |i + Sk - Sq - j| form).
+# unbounded, so (9, 0) is causal too; (2, 0) is a local window (the |i + Sk - Sq - j| form), and so is (5, 0)
+# although the varlen batch's second sequence and the KV cache's first entry hold at most 5 keys (flash-attn
+# decides by max_seqlen_k and by the cache's capacity, both 7).
 CAUSAL_ALIBI_CASES = [(True, (-1, -1), True), (False, (-1, 0), True), (True, (9, -1), True), (True, (2, 0), False),
-                      (False, (-1, -1), False)]
+                      (True, (5, 0), False), (False, (-1, -1), False)]
 
 
 @pytest.mark.parametrize("causal,window,causal_form", CAUSAL_ALIBI_CASES, ids=str)
@@ -182,7 +184,7 @@ def test_alibi_lse_as_flash_attn(causal, window, causal_form, per_batch):
     B, H = 2, 2
     slopes = torch.tensor([[0.5, 0.25], [0.75, 0.125]]) if per_batch else torch.tensor([0.5, 0.25])
     slopes_of = (lambda b: slopes[b]) if per_batch else (lambda b: slopes)
-    for Sq, Sk in [(5, 7), (9, 7)]:
+    for Sq, Sk in [(5, 7), (9, 7), (0, 7)]:
         q, k, v = _inputs(B, Sq, Sk, H=H, Hk=H, seed=Sq)
         out, lse, _ = flashcore.flash_attn_func(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes,
                                                 return_attn_probs=True)
@@ -255,6 +257,17 @@ def test_alibi_lse_as_flash_attn(causal, window, causal_form, per_batch):
         keys = kc[b, leftpad[b]:seqlens[b] + 2]
         want = _flash_alibi_lse_ref(q2[b], keys, slopes_of(b), 2, keys.size(0), causal_form, window)
         torch.testing.assert_close(lse[b], want, rtol=1e-10, atol=1e-10)
+    # with sinks (flashcore's addition, which flash-attn 2 does not have) the LSE is flashcore's own: the defined
+    # logits' and the sink's
+    sinks = torch.tensor([0.5, -1.0])
+    _, lse = fai.flash_attn_with_kvcache(q2, kc, vc, cache_seqlens=seqlens + 2, cache_leftpad=leftpad, causal=causal,
+                                         window_size=window, alibi_slopes=slopes, return_softmax_lse=True, sinks=sinks)
+    for b in range(B):
+        keys = kc[b, leftpad[b]:seqlens[b] + 2]
+        defined = _flash_alibi_lse_ref(q2[b], keys, slopes_of(b), 2, keys.size(0), False,
+                                       (-1, 0) if causal_form else window)
+        want = torch.logaddexp(defined, sinks.double()[:, None])
+        torch.testing.assert_close(lse[b], want, rtol=1e-10, atol=1e-10)
 
 
 def test_extension_entry_points_as_flash_attn_gpu():
@@ -302,6 +315,14 @@ def test_extension_entry_points_as_flash_attn_gpu():
     torch.testing.assert_close(out_kv, want_kv, rtol=0, atol=0)
     torch.testing.assert_close(lse_kv, want_lse_kv, rtol=0, atol=0)
     assert torch.equal(kc, kc2) and torch.equal(vc, vc2) and kc[1, 3:7].abs().sum() > 0
+    # causal (flash-attn's causal kernel): the shifted LSE goes from fwd into bwd
+    ref_q, ref_k, ref_v = (x.clone().requires_grad_() for x in (q, k, v))
+    ref = flashcore.flash_attn_func(ref_q, ref_k, ref_v, 0.0, scale, True, alibi_slopes=slopes)
+    grads = torch.autograd.grad(ref, (ref_q, ref_k, ref_v), dout)
+    o, lse, _, rng = gpu.fwd(q, k, v, None, slopes, 0.0, scale, True, -1, -1, 0.0, False, None)
+    for g, want in zip(gpu.bwd(dout, q, k, v, o, lse, None, None, None, slopes, 0.0, scale, True, -1, -1, 0.0, False,
+                               None, rng)[:3], grads):
+        torch.testing.assert_close(g, want, rtol=1e-10, atol=1e-12)
     for call in (lambda: gpu.fwd(q, k, v, None, None, 0.0, scale, True, -1, -1, 0.0, False, torch.empty(1)),
                  lambda: gpu.bwd(dout, q, k, v, out, got[1], None, None, None, None, 0.0, scale, True, -1, -1, 0.0,
                                  False, torch.empty(1), None)):

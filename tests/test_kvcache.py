@@ -160,9 +160,9 @@ def expected(inputs, kw):
                     alibi=None if alibi is None else (alibi if alibi.dim() == 1 else alibi[b:b + 1]))
         o, l = reference_attention(qb, kb, vb, **mask)
         # flash-attn's causal kernel adds slope * j instead of -slope * |i + Sk - Sq - j|: its LSE is larger by
-        # slope * (i + Sk - Sq) (flash_attn_interface._flash_alibi_lse)
+        # slope * (i + Sk - Sq) (flash_attn_interface._shift_alibi_lse); not with sinks, which flash-attn lacks
         shift = 0.0
-        if alibi is not None and left < 0 and right == 0:
+        if alibi is not None and kw.get("sinks") is None and left < 0 and right == 0:
             slopes = (alibi if alibi.dim() == 1 else alibi[b]).double()
             shift = slopes[:, None] * (torch.arange(Sq, device=q.device) + kb.size(2) - Sq).double()
         ref_out.append(o[0].transpose(0, 1))

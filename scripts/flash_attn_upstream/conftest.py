@@ -30,4 +30,6 @@ def pytest_collection_modifyitems(config, items):
     keep = []
     for name, group in groups.items():
         keep += group if len(group) <= n else rng.sample(group, n)
+    kept = set(map(id, keep))
+    config.hook.pytest_deselected(items=[item for item in items if id(item) not in kept])
     items[:] = keep
