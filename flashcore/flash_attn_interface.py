@@ -304,8 +304,9 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     q, k, v = (maybe_contiguous(x) for x in (q, k, v))
     if block_table is not None:
         _check_paged_varlen(q, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, seqused_k, fn)
-        out, lse = _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale,
-                                 causal, left, right, softcap, alibi_slopes, sinks, seqused_k)
+        out, lse, paged_lens_k = _varlen_paged(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table,
+                                               softmax_scale, causal, left, right, softcap, alibi_slopes, sinks,
+                                               seqused_k)
     else:
         (q, k, v), head_dim = pad_head_dim([q, k, v])
         out, lse = _varlen_fwd_op(q, k, v, cu_seqlens_q, cu_seqlens_k, int(max_seqlen_q), int(max_seqlen_k),
@@ -317,8 +318,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
         return out
     if _causal_alibi_kernel(alibi_slopes, sinks, causal, *window, max_seqlen_k):
         if block_table is not None:  # the KV-cache op's lengths, clamped into the pages
-            lens_k = _cache_key_lengths(seqused_k if seqused_k is not None else cu_seqlens_k[1:] - cu_seqlens_k[:-1],
-                                        None, block_table.size(1) * k.size(1))
+            lens_k = _cache_key_lengths(paged_lens_k, None, block_table.size(1) * k.size(1))
         else:
             lens_k = _varlen_key_lengths(cu_seqlens_k, seqused_k, k.size(0), max_seqlen_k)
         lse = _varlen_alibi_lse(lse, alibi_slopes, cu_seqlens_q, lens_k, max_seqlen_q)
@@ -328,7 +328,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
 def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, block_table, softmax_scale, causal,
                   left, right, softcap, alibi_slopes, sinks, seqused_k):
     """flash_attn_varlen_func with block_table (paged prefill): sequence b's keys are the first
-    cu_seqlens_k[b+1] - cu_seqlens_k[b] (or seqused_k[b]) of its pages. Runs on the KV-cache op: each sequence's
+    cu_seqlens_k[b+1] - cu_seqlens_k[b] (or seqused_k[b]) of its pages; returns (out, lse, those lengths). Runs on the KV-cache op: each sequence's
     queries are placed at the END of a (batch, max_seqlen_q) block (left padding), so the op's bottom-right alignment
     to the block's length is each sequence's own; the rows are gathered back into the packed layout. Index
     arithmetic only, on the device: no sync."""
@@ -366,7 +366,7 @@ def _varlen_paged(q, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
     lse = torch.where(inside[None, :], lse_block[b, :, row].transpose(0, 1), float("-inf"))
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k_cache, v_cache)):
         out = _PagedNoBackward.apply(out, q, k_cache, v_cache)
-    return out, lse
+    return out, lse, lens_k
 
 
 class _PagedNoBackward(torch.autograd.Function):

@@ -8,7 +8,8 @@ cu_seqlens; cos/sin (seqlen_ro, rotary_dim / 2); the first rotary_dim dims of ea
 (x[i], x[i + rotary_dim / 2]) or, interleaved, GPT-J pairs (x[2i], x[2i + 1]). Token s of sequence b takes row
 s + seqlen_offsets[b] of cos/sin; rows past seqlen_ro leave it unrotated (flash-attn's kernel loads cos 1, sin 0
 there), which only a tensor of offsets can reach: a table shorter than the sequences, or than an int offset plus
-their length, is refused as flash-attn's apply_rotary asserts (RotaryArgumentError). Computed in float32 (float64 for float64 x) and rounded to x's dtype once, as flash-attn's kernel does;
+their length, is refused as flash-attn's apply_rotary asserts (RotaryArgumentError). Computed in float32 (float64
+for float64 x) and rounded to x's dtype once, as flash-attn's kernel does;
 gradients flow through autograd (the rotation's transpose).
 """
 
